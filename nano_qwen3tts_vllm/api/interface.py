@@ -1,0 +1,460 @@
+"""`Qwen3TTSInterface`: the qwen-tts `Qwen3TTSModel` API on the batching engine.
+
+Same methods, parameter names and return values `(list of float32 waveforms, sample_rate)`;
+plus streaming generators and asyncio variants. One instance may be shared by many threads
+and coroutines: their requests are batched together by the engine thread.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, AsyncIterator, Iterator
+
+import numpy as np
+import torch
+
+from ..checkpoints import resolve_model
+from ..config import EngineConfig, ModelConfig
+from ..engine.engine_thread import EngineThread, RequestStream
+from ..engine.llm_engine import LLMEngine
+from ..engine.sequence import Prompt
+from ..models.prompt import build_prompt
+from ..sampling_params import SamplingParams
+from .audio import StreamingDecoder, load_audio
+
+logger = logging.getLogger(__name__)
+
+MAX_TEXT_CHARS = 10000
+GEN_KEYS = ("do_sample", "top_k", "top_p", "temperature", "repetition_penalty", "subtalker_dosample",
+            "subtalker_top_k", "subtalker_top_p", "subtalker_temperature", "max_new_tokens", "seed")
+
+try:  # the upstream container, so prompts move freely between the two libraries
+    from qwen_tts.inference.qwen3_tts_model import VoiceClonePromptItem
+except Exception:  # pragma: no cover - qwen-tts is a dependency
+    @dataclass
+    class VoiceClonePromptItem:  # type: ignore[no-redef]
+        ref_code: torch.Tensor | None
+        ref_spk_embedding: torch.Tensor
+        x_vector_only_mode: bool
+        icl_mode: bool
+        ref_text: str | None = None
+
+
+@dataclass
+class _Job:
+    """One validated request: its prompt, settings, and the reference codes ICL audio starts with."""
+    prompt: Prompt
+    params: SamplingParams
+    ref_codes: torch.Tensor | None = None
+
+
+def _as_list(x) -> list:
+    return x if isinstance(x, list) else [x]
+
+
+def _broadcast(name: str, values: list, n: int) -> list:
+    if len(values) == 1 and n > 1:
+        return values * n
+    if len(values) != n:
+        raise ValueError(f"batch size mismatch: text has {n} items, {name} has {len(values)}")
+    return values
+
+
+def resolve_model_dir(model: str) -> Path:
+    path = Path(resolve_model(model))
+    if path.is_dir():
+        return path
+    from huggingface_hub import snapshot_download
+    return Path(snapshot_download(model))
+
+
+class Qwen3TTSInterface:
+    def __init__(self, model_dir: Path, engine_thread: EngineThread, processor, speech_tokenizer,
+                 speaker_encoder, generate_defaults: dict, model_cfg: ModelConfig, device, dtype):
+        self.model_dir = model_dir
+        self.engine = engine_thread
+        self.processor = processor
+        self.speech_tokenizer = speech_tokenizer
+        self.speaker_encoder = speaker_encoder
+        self.generate_defaults = generate_defaults
+        self.model_cfg = model_cfg
+        self.device, self.dtype = device, dtype
+
+    # ---- construction ---------------------------------------------------------------------
+    @classmethod
+    def from_pretrained(cls, model: str, device: str | torch.device | None = None,
+                        dtype: torch.dtype | None = None, engine_config: EngineConfig | None = None,
+                        **engine_kwargs) -> "Qwen3TTSInterface":
+        """Load a checkpoint directory, hub id, or a built-in name such as "tiny-random".
+
+        Defaults: CUDA in bf16 when available, else CPU in fp32. Engine settings
+        (max_num_seqs, max_model_len, enforce_eager, gpu_memory_utilization, ...) may be given
+        as keywords or as an EngineConfig.
+        """
+        from qwen_tts import Qwen3TTSTokenizer
+        from qwen_tts.core.models import Qwen3TTSConfig, Qwen3TTSProcessor
+        from transformers import AutoConfig, AutoProcessor
+
+        model_dir = resolve_model_dir(model)
+        cfg = engine_config or EngineConfig(**engine_kwargs)
+        engine = LLMEngine(model_dir, cfg, device=device, dtype=dtype)
+        AutoConfig.register("qwen3_tts", Qwen3TTSConfig, exist_ok=True)
+        AutoProcessor.register(Qwen3TTSConfig, Qwen3TTSProcessor, exist_ok=True)
+        processor = AutoProcessor.from_pretrained(str(model_dir), fix_mistral_regex=True)
+        speech_tokenizer = Qwen3TTSTokenizer.from_pretrained(str(model_dir / "speech_tokenizer"),
+                                                             dtype=engine.dtype, device_map=str(engine.device))
+        speaker_encoder = None
+        if engine.model_cfg.model_type == "base":
+            speaker_encoder = _load_speaker_encoder(model_dir, engine.device, engine.dtype)
+        gen_path = model_dir / "generation_config.json"
+        defaults = json.loads(gen_path.read_text()) if gen_path.is_file() else {}
+        return cls(model_dir, EngineThread(engine), processor, speech_tokenizer, speaker_encoder, defaults,
+                   engine.model_cfg, engine.device, engine.dtype)
+
+    def close(self) -> None:
+        self.engine.shutdown()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # ---- model facts ----------------------------------------------------------------------
+    def get_supported_speakers(self) -> list[str] | None:
+        return sorted(self.model_cfg.speaker_ids)
+
+    def get_supported_languages(self) -> list[str] | None:
+        return sorted(self.model_cfg.supported_languages)
+
+    # ---- the qwen-tts methods -------------------------------------------------------------
+    def generate_custom_voice(self, text, speaker, language=None, instruct=None, non_streaming_mode: bool = True,
+                              **kwargs) -> tuple[list[np.ndarray], int]:
+        return self._run(self._custom_voice_jobs(text, speaker, language, instruct, non_streaming_mode, kwargs))
+
+    def generate_voice_design(self, text, instruct, language=None, non_streaming_mode: bool = True,
+                              **kwargs) -> tuple[list[np.ndarray], int]:
+        return self._run(self._voice_design_jobs(text, instruct, language, non_streaming_mode, kwargs))
+
+    def generate_voice_clone(self, text, language=None, ref_audio=None, ref_text=None, x_vector_only_mode=False,
+                             voice_clone_prompt=None, non_streaming_mode: bool = False,
+                             **kwargs) -> tuple[list[np.ndarray], int]:
+        return self._run(self._voice_clone_jobs(text, language, ref_audio, ref_text, x_vector_only_mode,
+                                                voice_clone_prompt, non_streaming_mode, kwargs))
+
+    # ---- streaming ------------------------------------------------------------------------
+    def generate_custom_voice_streaming(self, text: str, speaker: str, language=None, instruct=None,
+                                        non_streaming_mode: bool = True, chunk_size: int = 12,
+                                        first_chunk_size: int = 4, **kwargs) -> Iterator[np.ndarray]:
+        """Yields float32 24 kHz audio chunks as frames are produced."""
+        jobs = self._custom_voice_jobs(_one(text), speaker, language, instruct, non_streaming_mode, kwargs)
+        return self._stream(jobs[0], chunk_size, first_chunk_size)
+
+    def generate_voice_design_streaming(self, text: str, instruct: str, language=None,
+                                        non_streaming_mode: bool = True, chunk_size: int = 12,
+                                        first_chunk_size: int = 4, **kwargs) -> Iterator[np.ndarray]:
+        jobs = self._voice_design_jobs(_one(text), instruct, language, non_streaming_mode, kwargs)
+        return self._stream(jobs[0], chunk_size, first_chunk_size)
+
+    def generate_voice_clone_streaming(self, text: str, language=None, ref_audio=None, ref_text=None,
+                                       x_vector_only_mode=False, voice_clone_prompt=None,
+                                       non_streaming_mode: bool = False, chunk_size: int = 12,
+                                       first_chunk_size: int = 4, **kwargs) -> Iterator[np.ndarray]:
+        jobs = self._voice_clone_jobs(_one(text), language, ref_audio, ref_text, x_vector_only_mode,
+                                      voice_clone_prompt, non_streaming_mode, kwargs)
+        return self._stream(jobs[0], chunk_size, first_chunk_size)
+
+    # ---- asyncio --------------------------------------------------------------------------
+    async def agenerate_custom_voice(self, text, speaker, language=None, instruct=None,
+                                     non_streaming_mode: bool = True, **kwargs):
+        jobs = self._custom_voice_jobs(text, speaker, language, instruct, non_streaming_mode, kwargs)
+        return await self._arun(jobs)
+
+    async def agenerate_voice_design(self, text, instruct, language=None, non_streaming_mode: bool = True, **kwargs):
+        return await self._arun(self._voice_design_jobs(text, instruct, language, non_streaming_mode, kwargs))
+
+    async def agenerate_voice_clone(self, text, language=None, ref_audio=None, ref_text=None,
+                                    x_vector_only_mode=False, voice_clone_prompt=None,
+                                    non_streaming_mode: bool = False, **kwargs):
+        jobs = await asyncio.to_thread(self._voice_clone_jobs, text, language, ref_audio, ref_text,
+                                       x_vector_only_mode, voice_clone_prompt, non_streaming_mode, kwargs)
+        return await self._arun(jobs)
+
+    async def agenerate_custom_voice_streaming(self, text: str, speaker: str, language=None, instruct=None,
+                                               non_streaming_mode: bool = True, chunk_size: int = 12,
+                                               first_chunk_size: int = 4, **kwargs) -> AsyncIterator[np.ndarray]:
+        jobs = self._custom_voice_jobs(_one(text), speaker, language, instruct, non_streaming_mode, kwargs)
+        async for chunk in self._astream(jobs[0], chunk_size, first_chunk_size):
+            yield chunk
+
+    async def agenerate_voice_design_streaming(self, text: str, instruct: str, language=None,
+                                               non_streaming_mode: bool = True, chunk_size: int = 12,
+                                               first_chunk_size: int = 4, **kwargs) -> AsyncIterator[np.ndarray]:
+        jobs = self._voice_design_jobs(_one(text), instruct, language, non_streaming_mode, kwargs)
+        async for chunk in self._astream(jobs[0], chunk_size, first_chunk_size):
+            yield chunk
+
+    async def agenerate_voice_clone_streaming(self, text: str, language=None, ref_audio=None, ref_text=None,
+                                              x_vector_only_mode=False, voice_clone_prompt=None,
+                                              non_streaming_mode: bool = False, chunk_size: int = 12,
+                                              first_chunk_size: int = 4, **kwargs) -> AsyncIterator[np.ndarray]:
+        jobs = await asyncio.to_thread(self._voice_clone_jobs, _one(text), language, ref_audio, ref_text,
+                                       x_vector_only_mode, voice_clone_prompt, non_streaming_mode, kwargs)
+        async for chunk in self._astream(jobs[0], chunk_size, first_chunk_size):
+            yield chunk
+
+    # ---- voice-clone prompts --------------------------------------------------------------
+    @torch.inference_mode()
+    def create_voice_clone_prompt(self, ref_audio, ref_text=None, x_vector_only_mode=False) -> list:
+        """Speaker embedding (+ reference codes for ICL) per reference; reusable across requests."""
+        self._require("base", "create_voice_clone_prompt")
+        audios = _as_list(ref_audio)
+        texts = _broadcast("ref_text", _as_list(ref_text), len(audios))
+        xvec = _broadcast("x_vector_only_mode", _as_list(x_vector_only_mode), len(audios))
+        items = []
+        for i, (a, rtext, xonly) in enumerate(zip(audios, texts, xvec)):
+            if not xonly and not rtext:
+                raise ValueError(f"ref_text is required when x_vector_only_mode=False (ICL mode); missing at index {i}")
+            wav, sr = load_audio(a)
+            codes = None if xonly else self.speech_tokenizer.encode(wav, sr=sr).audio_codes[0]
+            items.append(VoiceClonePromptItem(ref_code=codes, ref_spk_embedding=self._speaker_embedding(wav, sr),
+                                              x_vector_only_mode=bool(xonly), icl_mode=not xonly, ref_text=rtext))
+        return items
+
+    def _speaker_embedding(self, wav: np.ndarray, sr: int) -> torch.Tensor:
+        import librosa
+        from qwen_tts.core.models.modeling_qwen3_tts import mel_spectrogram
+        target = 24000
+        if sr != target:
+            wav = librosa.resample(y=wav.astype(np.float32), orig_sr=int(sr), target_sr=target)
+        mels = mel_spectrogram(torch.from_numpy(wav).unsqueeze(0), n_fft=1024, num_mels=128, sampling_rate=target,
+                               hop_size=256, win_size=1024, fmin=0, fmax=12000).transpose(1, 2)
+        return self.speaker_encoder(mels.to(self.device).to(self.dtype))[0]
+
+    # ---- request building (all validation happens here, before anything is queued) -------
+    def _require(self, model_type: str, method: str) -> None:
+        if self.model_cfg.model_type != model_type:
+            raise ValueError(f"{method} needs a {model_type} model, but {self.model_dir.name} is a "
+                             f"{self.model_cfg.model_type} model")
+
+    def _params(self, kwargs: dict) -> SamplingParams:
+        unknown = set(kwargs) - set(GEN_KEYS)
+        if unknown:
+            logger.debug("ignoring generation arguments the engine does not use: %s", sorted(unknown))
+        explicit_max = kwargs.get("max_new_tokens") is not None
+        params = SamplingParams.from_defaults(self.generate_defaults, **{k: kwargs.get(k) for k in GEN_KEYS})
+        params.validate(max_new_tokens_limit=self.engine.engine.max_frames if explicit_max else 10**9)
+        return params
+
+    def _fit(self, prompt: Prompt, params: SamplingParams, explicit_max: bool) -> SamplingParams:
+        """Without an explicit max_new_tokens, cap the default to what fits (as vLLM does)."""
+        room = self.engine.engine.max_frames - len(prompt) + 1
+        if room < 2:
+            raise ValueError(f"the text is too long: its prompt takes {len(prompt)} of the "
+                             f"{self.engine.engine.max_frames} positions a request may use")
+        if not explicit_max and params.max_new_tokens > room:
+            params.max_new_tokens = room
+        self.engine.engine.check_fits(prompt, params)
+        return params
+
+    def _tokenize(self, text: str) -> list[int]:
+        ids = self.processor(text=text, return_tensors="pt", padding=True)["input_ids"]
+        return ids.reshape(-1).tolist()
+
+    def _texts(self, text) -> list[str]:
+        texts = _as_list(text)
+        for t in texts:
+            if not isinstance(t, str) or not t.strip():
+                raise ValueError("text must be a non-empty string")
+            if len(t) > MAX_TEXT_CHARS:
+                raise ValueError(f"text has {len(t)} characters; the limit is {MAX_TEXT_CHARS}")
+        return texts
+
+    def _languages(self, language, n: int) -> list[str]:
+        langs = _broadcast("language", _as_list(language) if language is not None else ["Auto"], n)
+        supported = set(self.model_cfg.supported_languages)
+        bad = [l for l in langs if l is None or str(l).lower() not in supported]
+        if bad:
+            raise ValueError(f"unsupported languages: {bad}; supported: {sorted(supported)}")
+        return langs
+
+    def _job(self, text: str, language: str, kwargs: dict, non_streaming_mode: bool, **prompt_kw) -> _Job:
+        params = self._params(kwargs)
+        input_ids = self._tokenize(f"<|im_start|>assistant\n{text}<|im_end|>\n<|im_start|>assistant\n")
+        prompt = build_prompt(self.model_cfg, input_ids, language, non_streaming_mode=non_streaming_mode, **prompt_kw)
+        return _Job(prompt, self._fit(prompt, params, kwargs.get("max_new_tokens") is not None))
+
+    def _instruct_ids(self, instruct: str | None) -> list[int] | None:
+        if not instruct:
+            return None
+        return self._tokenize(f"<|im_start|>user\n{instruct}<|im_end|>\n")
+
+    def _custom_voice_jobs(self, text, speaker, language, instruct, non_streaming_mode, kwargs) -> list[_Job]:
+        self._require("custom_voice", "generate_custom_voice")
+        texts = self._texts(text)
+        langs = self._languages(language, len(texts))
+        speakers = _broadcast("speaker", _as_list(speaker), len(texts))
+        bad = [s for s in speakers if not s or str(s).lower() not in self.model_cfg.speaker_ids]
+        if bad:
+            raise ValueError(f"unsupported speakers: {bad}; supported: {self.get_supported_speakers()}")
+        if self.model_cfg.model_size in "0b6" and instruct:  # upstream's test, kept as is
+            warnings.warn("this 0.6B CustomVoice model does not support instruct; it is ignored", stacklevel=3)
+            instruct = None
+        instructs = _broadcast("instruct", _as_list(instruct) if instruct is not None else [""], len(texts))
+        return [self._job(t, l, kwargs, non_streaming_mode, speaker=s, instruct_ids=self._instruct_ids(i))
+                for t, l, s, i in zip(texts, langs, speakers, instructs)]
+
+    def _voice_design_jobs(self, text, instruct, language, non_streaming_mode, kwargs) -> list[_Job]:
+        self._require("voice_design", "generate_voice_design")
+        texts = self._texts(text)
+        langs = self._languages(language, len(texts))
+        instructs = _broadcast("instruct", _as_list(instruct), len(texts))
+        return [self._job(t, l, kwargs, non_streaming_mode, instruct_ids=self._instruct_ids(i))
+                for t, l, i in zip(texts, langs, instructs)]
+
+    def _voice_clone_jobs(self, text, language, ref_audio, ref_text, x_vector_only_mode, voice_clone_prompt,
+                          non_streaming_mode, kwargs) -> list[_Job]:
+        self._require("base", "generate_voice_clone")
+        if kwargs.get("instruct"):
+            warnings.warn("Base (voice clone) models take no instruct; it is ignored", stacklevel=3)
+        texts = self._texts(text)
+        langs = self._languages(language, len(texts))
+        if voice_clone_prompt is None:
+            if ref_audio is None:
+                raise ValueError("either voice_clone_prompt or ref_audio must be provided")
+            items = self.create_voice_clone_prompt(ref_audio, ref_text, x_vector_only_mode)
+        elif isinstance(voice_clone_prompt, dict):
+            d = voice_clone_prompt
+            items = [VoiceClonePromptItem(ref_code=c, ref_spk_embedding=e, x_vector_only_mode=x, icl_mode=i)
+                     for c, e, x, i in zip(d["ref_code"], d["ref_spk_embedding"], d["x_vector_only_mode"],
+                                           d["icl_mode"])]
+            if any(it.icl_mode for it in items):
+                raise ValueError("a dict voice_clone_prompt carries no ref_text, which ICL needs; pass the list "
+                                 "of items from create_voice_clone_prompt instead")
+        else:
+            items = list(voice_clone_prompt)
+        items = _broadcast("voice_clone_prompt", items, len(texts))
+        jobs = []
+        for t, l, it in zip(texts, langs, items):
+            icl = it.icl_mode and it.ref_code is not None
+            if icl and not it.ref_text:
+                raise ValueError("in-context cloning needs the reference text (ref_text)")
+            kw = dict(xvector=it.ref_spk_embedding.float().cpu().numpy())
+            if icl:
+                kw.update(ref_ids=self._tokenize(f"<|im_start|>assistant\n{it.ref_text}<|im_end|>\n"),
+                          ref_codes=it.ref_code.cpu().numpy())
+            job = self._job(t, l, kwargs, non_streaming_mode, **kw)
+            job.ref_codes = it.ref_code.cpu() if icl else None
+            jobs.append(job)
+        return jobs
+
+    # ---- running and decoding -------------------------------------------------------------
+    def _submit(self, jobs: list[_Job], loop=None) -> list[RequestStream]:
+        streams = []
+        try:
+            for job in jobs:
+                streams.append(self.engine.submit(job.prompt, job.params, loop=loop))
+        except Exception:
+            for s in streams:
+                s.abort()
+            raise
+        return streams
+
+    def _run(self, jobs: list[_Job]) -> tuple[list[np.ndarray], int]:
+        streams = self._submit(jobs)
+        frames = []
+        try:
+            for s in streams:
+                frames.append(list(s))
+        except BaseException:
+            for s in streams:
+                s.abort()
+            raise
+        return self._decode(jobs, frames)
+
+    async def _arun(self, jobs: list[_Job]) -> tuple[list[np.ndarray], int]:
+        streams = self._submit(jobs, loop=asyncio.get_running_loop())
+        try:
+            frames = [[f async for f in s.aiter()] for s in streams]
+        except BaseException:
+            for s in streams:
+                s.abort()
+            raise
+        return await asyncio.to_thread(self._decode, jobs, frames)
+
+    def _decode(self, jobs: list[_Job], frames: list[list[list[int]]]) -> tuple[list[np.ndarray], int]:
+        """Decode as qwen-tts does: all together; ICL audio starts with the reference codes, then cut."""
+        codes = []
+        for job, f in zip(jobs, frames):
+            c = torch.tensor(f, dtype=torch.long).reshape(-1, self.model_cfg.num_code_groups)
+            codes.append(c if job.ref_codes is None else torch.cat([job.ref_codes, c], dim=0))
+        wavs, sr = self.speech_tokenizer.decode([{"audio_codes": c} for c in codes])
+        out = []
+        for job, c, wav in zip(jobs, codes, wavs):
+            if job.ref_codes is not None:
+                cut = int(job.ref_codes.shape[0] / max(c.shape[0], 1) * wav.shape[0])
+                wav = wav[cut:]
+            out.append(wav)
+        return out, sr
+
+    def _stream(self, job: _Job, chunk_size: int, first_chunk_size: int) -> Iterator[np.ndarray]:
+        dec = StreamingDecoder(self.speech_tokenizer.model, chunk_size, first_chunk_size)
+        stream = self._submit([job])[0]
+        try:
+            if job.ref_codes is not None:  # decode context only: its audio is not emitted
+                dec.frames = job.ref_codes.tolist()
+                dec.emitted = len(dec.frames)
+            for frame in stream:
+                chunk = dec.push(frame)
+                if chunk is not None:
+                    yield chunk
+            chunk = dec.flush()
+            if chunk is not None:
+                yield chunk
+        finally:
+            if stream.finish_reason is None:
+                stream.abort()
+
+    async def _astream(self, job: _Job, chunk_size: int, first_chunk_size: int) -> AsyncIterator[np.ndarray]:
+        dec = StreamingDecoder(self.speech_tokenizer.model, chunk_size, first_chunk_size)
+        stream = self._submit([job], loop=asyncio.get_running_loop())[0]
+        try:
+            if job.ref_codes is not None:
+                dec.frames = job.ref_codes.tolist()
+                dec.emitted = len(dec.frames)
+            async for frame in stream.aiter():
+                chunk = await asyncio.to_thread(dec.push, frame)  # decoding stays off the event loop
+                if chunk is not None:
+                    yield chunk
+            chunk = await asyncio.to_thread(dec.flush)
+            if chunk is not None:
+                yield chunk
+        finally:
+            if stream.finish_reason is None:
+                stream.abort()
+
+
+def _one(text) -> str:
+    if isinstance(text, list):
+        raise ValueError("streaming generation takes one text at a time; call it once per text")
+    return text
+
+
+def _load_speaker_encoder(model_dir: Path, device, dtype):
+    from qwen_tts.core.models import Qwen3TTSConfig
+    from qwen_tts.core.models.modeling_qwen3_tts import Qwen3TTSSpeakerEncoder
+    from ..models.loader import iter_checkpoint
+
+    config = Qwen3TTSConfig.from_pretrained(str(model_dir))
+    encoder = Qwen3TTSSpeakerEncoder(config.speaker_encoder_config)
+    prefix = "speaker_encoder."
+    state = {name[len(prefix):]: get() for name, get in iter_checkpoint(model_dir) if name.startswith(prefix)}
+    missing, unexpected = encoder.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise ValueError(f"speaker encoder weights in {model_dir} do not match its config: "
+                         f"missing {missing[:5]}, unexpected {unexpected[:5]}")
+    return encoder.to(device=device, dtype=dtype).eval()

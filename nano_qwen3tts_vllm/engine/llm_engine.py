@@ -1,0 +1,134 @@
+"""The engine loop: schedule, run the talker (prefill) or predictor + talker (decode), book-keep."""
+from __future__ import annotations
+
+import logging
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..config import EngineConfig, ModelConfig
+from ..sampling_params import SamplingParams
+from .predictor_runner import PredictorRunner
+from .scheduler import Scheduler
+from .sequence import Prompt, Sequence
+from .talker_runner import TalkerRunner
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class StepOutput:
+    request_id: str
+    frame: list[int] | None          # the 16 codes of a frame finished this step
+    finished: bool
+    finish_reason: str | None = None  # "stop" (EOS), "length" (max_new_tokens), "abort"
+
+
+class LLMEngine:
+    def __init__(self, model_dir: str | Path, cfg: EngineConfig | None = None,
+                 device: str | torch.device | None = None, dtype: torch.dtype | None = None):
+        self.cfg = cfg or EngineConfig()
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
+        self.model_cfg = ModelConfig.from_pretrained(model_dir)
+        self.talker = TalkerRunner(self.model_cfg, self.cfg, model_dir, self.device, self.dtype)
+        self.predictor = PredictorRunner(self.model_cfg, self.cfg, model_dir, self.device, self.dtype)
+        self.scheduler = Scheduler(self.cfg, self.talker.num_blocks)
+        self.hidden = torch.zeros(self.cfg.max_num_seqs, self.model_cfg.talker.hidden_size,
+                                  dtype=self.dtype, device=self.device)
+        self.seqs: dict[str, Sequence] = {}
+        self._seed_rng = random.SystemRandom()
+
+    @property
+    def max_frames(self) -> int:
+        """The most codec positions one sequence can hold (prompt + frames)."""
+        return min(self.cfg.max_model_len, self.talker.num_blocks * self.cfg.kvcache_block_size)
+
+    def check_fits(self, prompt: Prompt, params: SamplingParams) -> None:
+        # the last sampled c0 never gets a frame, so a sequence needs L + max_new_tokens - 1 positions
+        need = len(prompt) + params.max_new_tokens - 1
+        if need > self.max_frames:
+            raise ValueError(f"prompt of {len(prompt)} positions + max_new_tokens={params.max_new_tokens} needs "
+                             f"{need} KV positions; the engine holds at most {self.max_frames} per sequence "
+                             "(lower max_new_tokens, shorten the text, or raise max_model_len)")
+
+    def add_request(self, prompt: Prompt, params: SamplingParams, request_id: str | None = None) -> Sequence:
+        self.check_fits(prompt, params)
+        seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
+        seq = Sequence(prompt, params, self.cfg.kvcache_block_size, self.model_cfg.tts_pad_id, seed, request_id)
+        if seq.request_id in self.seqs:
+            raise ValueError(f"request id {seq.request_id!r} is already in use")
+        self.seqs[seq.request_id] = seq
+        self.scheduler.add(seq)
+        return seq
+
+    def abort(self, request_id: str) -> bool:
+        seq = self.seqs.pop(request_id, None)
+        if seq is None:
+            return False
+        self.scheduler.finish(seq, "abort")
+        return True
+
+    def has_unfinished(self) -> bool:
+        return not self.scheduler.is_finished()
+
+    def step(self) -> list[StepOutput]:
+        seqs, is_prefill = self.scheduler.schedule()
+        if not seqs:
+            return []
+        if is_prefill:
+            return self._prefill(seqs)
+        return self._decode(seqs)
+
+    def _prefill(self, seqs: list[Sequence]) -> list[StepOutput]:
+        hidden, logits = self.talker.prefill(seqs)
+        self._keep_hidden(seqs, hidden)
+        fresh = [i for i, s in enumerate(seqs) if not s.has_pending_c0]  # preempted ones keep their c0
+        outputs = []
+        if fresh:
+            c0 = self.talker.sample_first([seqs[i] for i in fresh], logits[fresh]).tolist()
+            for i, tok in zip(fresh, c0):
+                out = self._append_c0(seqs[i], tok)
+                if out:
+                    outputs.append(out)
+        return outputs
+
+    def _decode(self, seqs: list[Sequence]) -> list[StepOutput]:
+        slots = torch.tensor([s.slot for s in seqs], device=self.device)
+        codes, frame_sum = self.predictor.run(seqs, self.hidden[slots])
+        outputs = []
+        for seq, frame in zip(seqs, codes.tolist()):
+            seq.frames.append(frame)
+            outputs.append(StepOutput(seq.request_id, frame, False))
+        hidden, c0 = self.talker.decode(seqs, frame_sum)
+        self._keep_hidden(seqs, hidden)
+        for out, seq, tok in zip(outputs, seqs, c0.tolist()):
+            done = self._append_c0(seq, tok)
+            if done:
+                out.finished, out.finish_reason = True, done.finish_reason
+        return outputs
+
+    def _keep_hidden(self, seqs: list[Sequence], hidden: torch.Tensor) -> None:
+        self.hidden[[s.slot for s in seqs]] = hidden
+
+    def _append_c0(self, seq: Sequence, tok: int) -> StepOutput | None:
+        seq.c0.append(tok)
+        reason = None
+        if tok == self.model_cfg.codec_eos_id:
+            reason = "stop"
+        elif len(seq.c0) >= seq.params.max_new_tokens:
+            reason = "length"
+        if reason is None:
+            return None
+        self.scheduler.finish(seq, reason)
+        self.seqs.pop(seq.request_id, None)
+        return StepOutput(seq.request_id, None, True, reason)
+
+    def generate(self, prompts: list[Prompt], params: list[SamplingParams]) -> list[list[list[int]]]:
+        """Run to completion; frames (16 codes each) per prompt, in order."""
+        seqs = [self.add_request(p, sp) for p, sp in zip(prompts, params)]
+        while self.has_unfinished():
+            self.step()
+        return [s.frames for s in seqs]

@@ -1,0 +1,78 @@
+"""Runs the code predictor for a batch of frames: [talker hidden, E_0(c0)] -> c1 .. c15, each
+sampled with the subtalker settings, plus the summed embedding of the finished frame."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from ..config import EngineConfig, ModelConfig
+from ..layers.attention import DenseAttention, DenseMetadata
+from ..models.loader import load_weights
+from ..models.predictor import CodePredictor
+from .cuda_graphs import GraphPool
+from .sampler import SamplingTensors, sample
+from .sequence import Sequence
+
+
+def predictor_sampling(seqs: list[Sequence], device) -> SamplingTensors:
+    return SamplingTensors.build([(s.params.subtalker_dosample,
+                                   s.params.subtalker_temperature if s.params.subtalker_dosample else 1.0,
+                                   s.params.subtalker_top_k, s.params.subtalker_top_p, s.seed) for s in seqs], device)
+
+
+class PredictorRunner:
+    def __init__(self, model_cfg: ModelConfig, cfg: EngineConfig, model_dir: str | Path,
+                 device: torch.device, dtype: torch.dtype):
+        self.cfg, self.model_cfg, self.device, self.dtype = cfg, model_cfg, device, dtype
+        with torch.device(device):
+            self.model = CodePredictor(model_cfg)
+        load_weights(self.model, "predictor", model_dir, model_cfg)
+        self.model.to(dtype).eval()
+        c, g = model_cfg.predictor, model_cfg.num_code_groups
+        shape = (c.num_layers, 2, cfg.max_num_seqs, g + 1, c.num_kv_heads, c.head_dim)
+        self.kv_cache = torch.zeros(shape, dtype=dtype, device=device)
+        layers = [m for m in self.model.modules() if isinstance(m, DenseAttention)]
+        for i, layer in enumerate(layers):
+            layer.k_cache, layer.v_cache = self.kv_cache[i, 0], self.kv_cache[i, 1]
+        self.graphs = None
+        if device.type == "cuda" and not cfg.enforce_eager:
+            self.graphs = GraphPool(self._graph_body, self._graph_padding(), cfg.max_num_seqs)
+
+    def frame_step(self, hidden: torch.Tensor, c0: torch.Tensor, st: SamplingTensors,
+                   frame_idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden [B, H] (talker, after final norm), c0 [B] -> codes [B, 16], frame embedding sum [B, H]."""
+        codec, B, dev = self.model.codec, hidden.shape[0], hidden.device
+        embeds = [codec.lookup(0, c0)]
+        codes = [c0]
+        x = torch.stack([hidden, embeds[0]], dim=1)
+        pos = torch.arange(2, device=dev).expand(B, 2)
+        h = self.model(x, pos, DenseMetadata(0, 2))[:, -1]
+        for k in range(1, self.model_cfg.num_code_groups):
+            logits = self.model.logits(h, k - 1).float()
+            ck = sample(logits, st, frame_idx * 16 + k)
+            codes.append(ck)
+            embeds.append(codec.lookup(k, ck))
+            if k + 1 < self.model_cfg.num_code_groups:
+                pos = torch.full((B, 1), k + 1, device=dev, dtype=torch.long)
+                h = self.model(embeds[-1][:, None], pos, DenseMetadata(k + 1, k + 2))[:, -1]
+        return torch.stack(codes, dim=1), torch.stack(embeds, dim=1).sum(1)
+
+    @torch.inference_mode()
+    def run(self, seqs: list[Sequence], hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        dev = self.device
+        c0 = torch.tensor([s.c0[len(s.frames)] for s in seqs], dtype=torch.long, device=dev)
+        frame_idx = torch.tensor([len(s.frames) for s in seqs], dtype=torch.long, device=dev)
+        st = predictor_sampling(seqs, dev)
+        if self.graphs is not None:
+            return self.graphs.run(dict(hidden=hidden, c0=c0, frame_idx=frame_idx, **st.as_dict()))
+        return self.frame_step(hidden, c0, st, frame_idx)
+
+    def _graph_body(self, inp: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.frame_step(inp["hidden"], inp["c0"], SamplingTensors.from_dict(inp), inp["frame_idx"])
+
+    def _graph_padding(self) -> dict[str, torch.Tensor]:
+        dev = self.device
+        return dict(hidden=torch.zeros(self.model_cfg.talker.hidden_size, dtype=self.dtype, device=dev),
+                    c0=torch.tensor(0, dtype=torch.long, device=dev),
+                    frame_idx=torch.tensor(0, dtype=torch.long, device=dev), **SamplingTensors.padding(dev))

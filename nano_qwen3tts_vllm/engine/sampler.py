@@ -1,0 +1,115 @@
+"""Vectorised sampling with per-row settings, following the transformers processors qwen-tts uses.
+
+Order (as upstream): repetition penalty on the codebook-0 history, min_new_tokens (EOS masked),
+suppressed ids; then, for sampled rows, temperature, top-k, top-p; greedy rows take the argmax
+of the processed logits.
+
+Randomness is counter-based: the noise for (seed, counter) is a hash of those two numbers and
+the vocabulary index, so a seeded request draws the same numbers whether it runs alone or in any
+batch, on any device, and the whole sampler can live inside a CUDA graph.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_M32 = 0xFFFFFFFF
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """x * c mod 2**32 for x < 2**32, without int64 overflow (split c into 16-bit halves)."""
+    lo, hi = c & 0xFFFF, c >> 16
+    return (x * lo + (((x * hi) & 0xFFFF) << 16)) & _M32
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit avalanche hash (lowbias32)."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def uniform_noise(seeds: torch.Tensor, counters: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[B, vocab] float32 in (0, 1), a pure function of (seed, counter, column)."""
+    s = seeds.long()
+    key = _mix32((s & _M32) ^ _mix32(((s >> 32) & _M32) ^ _mix32(counters.long() & _M32)))
+    cols = torch.arange(vocab, device=seeds.device, dtype=torch.long)
+    bits = _mix32(key[:, None] ^ _mix32(cols + 0x9E3779B9 & _M32)[None, :])
+    return ((bits >> 8).float() + 0.5) * (1.0 / (1 << 24))
+
+
+@dataclass
+class SamplingTensors:
+    """Per-row settings of one sampler call, on the device of the logits."""
+    do_sample: torch.Tensor     # [B] bool
+    temperature: torch.Tensor   # [B] float32
+    top_k: torch.Tensor         # [B] int64, 0 = off
+    top_p: torch.Tensor         # [B] float32, 1 = off
+    seeds: torch.Tensor         # [B] int64
+
+    @classmethod
+    def build(cls, rows: list[tuple[bool, float, int, float, int]], device) -> "SamplingTensors":
+        do_sample, temp, top_k, top_p, seeds = zip(*rows)
+        return cls(
+            do_sample=torch.tensor(do_sample, dtype=torch.bool, device=device),
+            temperature=torch.tensor(temp, dtype=torch.float32, device=device),
+            top_k=torch.tensor(top_k, dtype=torch.long, device=device),
+            top_p=torch.tensor(top_p, dtype=torch.float32, device=device),
+            seeds=torch.tensor(seeds, dtype=torch.long, device=device),
+        )
+
+
+    def as_dict(self) -> dict[str, torch.Tensor]:
+        return {f"st_{k}": v for k, v in vars(self).items()}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, torch.Tensor]) -> "SamplingTensors":
+        return cls(**{k[3:]: v for k, v in d.items() if k.startswith("st_")})
+
+    @staticmethod
+    def padding(device) -> dict[str, torch.Tensor]:
+        """One greedy row, for rows that only fill a CUDA-graph batch."""
+        return dict(st_do_sample=torch.tensor(False, device=device), st_temperature=torch.tensor(1.0, device=device),
+                    st_top_k=torch.tensor(0, dtype=torch.long, device=device),
+                    st_top_p=torch.tensor(1.0, device=device),
+                    st_seeds=torch.tensor(0, dtype=torch.long, device=device))
+
+
+def apply_penalties(logits: torch.Tensor, seen: torch.Tensor, penalty: torch.Tensor,
+                    block_eos: torch.Tensor, eos_id: int, suppress: torch.Tensor) -> torch.Tensor:
+    """Talker-only processors. logits [B, V] fp32; seen [B, V] bool (generated before);
+    penalty [B]; block_eos [B] bool (min_new_tokens not reached); suppress [V] bool."""
+    p = penalty[:, None]
+    logits = torch.where(seen, torch.where(logits < 0, logits * p, logits / p), logits)
+    eos_mask = torch.zeros_like(suppress)
+    eos_mask[eos_id] = True
+    logits = logits.masked_fill(block_eos[:, None] & eos_mask[None, :], float("-inf"))
+    return logits.masked_fill(suppress[None, :], float("-inf"))
+
+
+def warp(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
+    """Temperature, then top-k (ties at the k-th value kept), then top-p (as transformers)."""
+    V = logits.shape[-1]
+    logits = logits / st.temperature[:, None]
+    sorted_logits, sorted_idx = logits.sort(dim=-1)                          # ascending
+    k = torch.where(st.top_k > 0, st.top_k.clamp(max=V), torch.full_like(st.top_k, V))
+    kth = sorted_logits.gather(1, (V - k)[:, None])
+    logits = logits.masked_fill(logits < kth, float("-inf"))
+    sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
+    cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+    remove = cum <= (1 - st.top_p)[:, None]
+    remove[:, -1] = False
+    remove = remove.scatter(1, sorted_idx, remove)
+    return logits.masked_fill(remove, float("-inf"))
+
+
+def sample(logits: torch.Tensor, st: SamplingTensors, counters: torch.Tensor) -> torch.Tensor:
+    """logits [B, V] fp32 after penalties -> token ids [B] (int64)."""
+    greedy = logits.argmax(dim=-1)
+    probs = warp(logits, st).softmax(dim=-1)
+    exp_noise = -torch.log(uniform_noise(st.seeds, counters, logits.shape[-1]))
+    sampled = (probs / exp_noise).argmax(dim=-1)   # exponential race == categorical draw
+    return torch.where(st.do_sample, sampled, greedy)

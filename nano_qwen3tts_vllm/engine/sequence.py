@@ -1,0 +1,100 @@
+"""A request as the engine sees it: a prompt of embedding positions, then one position per frame."""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from enum import Enum, auto
+
+import numpy as np
+
+from ..sampling_params import SamplingParams
+
+
+@dataclass
+class Prompt:
+    """The talker's prefill, one row per position.
+
+    Row i embeds as P(text_ids[i]) (skipped when -1) + sum over k of E_k(codes[i, k]) (skipped
+    when -1), plus `speaker` at `speaker_pos` (a Base model's x-vector). `trailing_text_ids` are
+    fed one per decode step (streaming text); tts_pad after them.
+    """
+    text_ids: np.ndarray                 # [L] int64
+    codes: np.ndarray                    # [L, 16] int64
+    trailing_text_ids: list[int]
+    speaker: np.ndarray | None = None    # [hidden] float32
+    speaker_pos: int = -1
+
+    def __len__(self) -> int:
+        return len(self.text_ids)
+
+
+class SequenceStatus(Enum):
+    WAITING = auto()
+    RUNNING = auto()
+    FINISHED = auto()
+
+
+class Sequence:
+    """Positions 0..L-1 are the prompt; position L+t is frame t (its 16 codes + step t's text)."""
+    _ids = itertools.count()
+
+    def __init__(self, prompt: Prompt, params: SamplingParams, block_size: int, tts_pad_id: int,
+                 seed: int, request_id: str | None = None):
+        self.seq_id = next(Sequence._ids)
+        self.request_id = request_id if request_id is not None else str(self.seq_id)
+        self.prompt = prompt
+        self.params = params
+        self.block_size = block_size
+        self.tts_pad_id = tts_pad_id
+        self.seed = seed
+        self.status = SequenceStatus.WAITING
+        self.c0: list[int] = []            # sampled codebook-0 ids (one ahead of frames while running)
+        self.frames: list[list[int]] = []  # finished frames, 16 codes each
+        self.block_table: list[int] = []
+        self.num_cached_tokens = 0         # leading positions whose KV came from the prefix cache
+        self.slot = -1                     # row of per-sequence sampler state while running
+        self.finish_reason: str | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt)
+
+    @property
+    def num_tokens(self) -> int:
+        """Positions whose KV exists (or will after the next prefill)."""
+        return len(self.prompt) + len(self.frames)
+
+    @property
+    def num_blocks(self) -> int:
+        return (self.num_tokens + self.block_size - 1) // self.block_size
+
+    @property
+    def has_pending_c0(self) -> bool:
+        return len(self.c0) > len(self.frames)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SequenceStatus.FINISHED
+
+    def step_text_id(self, t: int) -> int:
+        trailing = self.prompt.trailing_text_ids
+        return trailing[t] if t < len(trailing) else self.tts_pad_id
+
+    def positions(self, start: int, end: int) -> tuple[np.ndarray, np.ndarray]:
+        """(text_ids [n], codes [n, 16]) of positions [start, end)."""
+        L = len(self.prompt)
+        text = [self.prompt.text_ids[start:min(end, L)]]
+        codes = [self.prompt.codes[start:min(end, L)]]
+        if end > L:
+            t0 = max(start, L) - L
+            text.append(np.array([self.step_text_id(t) for t in range(t0, end - L)], dtype=np.int64))
+            codes.append(np.array(self.frames[t0:end - L], dtype=np.int64).reshape(-1, self.prompt.codes.shape[1]))
+        return np.concatenate(text), np.concatenate(codes)
+
+    def block_bytes(self, i: int) -> bytes:
+        """Content of prompt block i for prefix hashing (speaker vector included)."""
+        s, e = i * self.block_size, (i + 1) * self.block_size
+        data = self.prompt.text_ids[s:e].tobytes() + self.prompt.codes[s:e].tobytes()
+        if self.prompt.speaker is not None and s <= self.prompt.speaker_pos < e:
+            data += self.prompt.speaker.astype(np.float32).tobytes()
+        return data

@@ -1,0 +1,124 @@
+"""Attention over the paged KV cache (talker) and over a small dense cache (code predictor).
+
+The paged cache of one layer is [num_blocks + 1, block_size, kv_heads, head_dim]; the last
+block is scratch: padded rows of a CUDA-graph batch write there and block tables are padded
+with it, so no kernel ever needs a bounds check.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class PagedMetadata:
+    """Per-step inputs of paged attention, built by the talker runner."""
+    is_prefill: bool
+    slot_mapping: torch.Tensor                 # [tokens] int64: cache slot of each new token
+    context_lens: torch.Tensor | None = None   # [B] int32: tokens in cache after this step (decode)
+    block_tables: torch.Tensor | None = None   # [B, max_blocks] int32
+    # prefill only (host lists: the torch backend loops over sequences)
+    seqlens_q: list[int] | None = None
+    seqlens_k: list[int] | None = None
+    cu_seqlens_q: torch.Tensor | None = None
+    cu_seqlens_k: torch.Tensor | None = None
+    has_prefix: bool = False                   # some sequence reuses cached prefix blocks
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    k_cache.view(-1, *k.shape[1:]).index_copy_(0, slot_mapping, k)
+    v_cache.view(-1, *v.shape[1:]).index_copy_(0, slot_mapping, v)
+
+
+def _sdpa(q, k, v, mask, scale):
+    """q [Hq, n, D], k/v [Hkv, s, D] (or batched with a leading dim)."""
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[-3] != k.shape[-3])
+
+
+def torch_prefill(q, k, v, k_cache, v_cache, meta: PagedMetadata, scale: float) -> torch.Tensor:
+    out = torch.empty_like(q)
+    block_size = k_cache.shape[1]
+    start_q = 0
+    for i, (n, ctx) in enumerate(zip(meta.seqlens_q, meta.seqlens_k)):
+        qi = q[start_q:start_q + n]
+        if ctx == n:  # nothing cached before: the new keys are the whole context
+            ki, vi = k[start_q:start_q + n], v[start_q:start_q + n]
+        else:
+            blocks = meta.block_tables[i, :(ctx + block_size - 1) // block_size].long()
+            ki = k_cache[blocks].flatten(0, 1)[:ctx]
+            vi = v_cache[blocks].flatten(0, 1)[:ctx]
+        q_pos = torch.arange(ctx - n, ctx, device=q.device)
+        mask = torch.arange(ctx, device=q.device)[None, :] <= q_pos[:, None]
+        o = _sdpa(qi.transpose(0, 1), ki.transpose(0, 1), vi.transpose(0, 1), mask, scale)
+        out[start_q:start_q + n] = o.transpose(0, 1)
+        start_q += n
+    return out
+
+
+def torch_decode(q, k_cache, v_cache, meta: PagedMetadata, scale: float) -> torch.Tensor:
+    """q [B, Hq, D]: one new token per sequence, attending to its whole paged context."""
+    B = q.shape[0]
+    k = k_cache[meta.block_tables.long()].flatten(1, 2)   # [B, S, Hkv, D]
+    v = v_cache[meta.block_tables.long()].flatten(1, 2)
+    mask = torch.arange(k.shape[1], device=q.device)[None, :] < meta.context_lens[:, None]
+    o = _sdpa(q.unsqueeze(2), k.transpose(1, 2), v.transpose(1, 2), mask.view(B, 1, 1, -1), scale)
+    return o.squeeze(2)
+
+
+class PagedAttention(nn.Module):
+    """Writes the new k/v into the paged cache, then attends (varlen prefill or decode)."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.scale = head_dim ** -0.5
+        self.k_cache = self.v_cache = torch.tensor([])
+        self.backend = "torch"
+
+    def forward(self, q, k, v, meta: PagedMetadata) -> torch.Tensor:
+        store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+        if self.backend == "triton":
+            from . import triton_attention
+            if meta.is_prefill:
+                return torch_prefill(q, k, v, self.k_cache, self.v_cache, meta, self.scale)
+            return triton_attention.paged_decode(q, self.k_cache, self.v_cache, meta.block_tables,
+                                                 meta.context_lens, self.scale)
+        if meta.is_prefill:
+            return torch_prefill(q, k, v, self.k_cache, self.v_cache, meta, self.scale)
+        return torch_decode(q, self.k_cache, self.v_cache, meta, self.scale)
+
+
+@dataclass
+class DenseMetadata:
+    """The code predictor's per-frame cache: every row of the batch is at the same step."""
+    start: int      # first position written by this call
+    end: int        # positions [0, end) are valid after it
+
+
+class DenseAttention(nn.Module):
+    """Attention over a static [B, positions, kv_heads, head_dim] cache, one per layer."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.scale = head_dim ** -0.5
+        self.k_cache = self.v_cache = torch.tensor([])
+
+    def forward(self, q, k, v, meta: DenseMetadata) -> torch.Tensor:
+        """q/k/v: [B, n, heads, D] with n = end - start."""
+        B = q.shape[0]
+        self.k_cache[:B, meta.start:meta.end] = k
+        self.v_cache[:B, meta.start:meta.end] = v
+        kc = self.k_cache[:B, :meta.end].transpose(1, 2)
+        vc = self.v_cache[:B, :meta.end].transpose(1, 2)
+        n = meta.end - meta.start
+        mask = None
+        if n > 1:
+            q_pos = torch.arange(meta.start, meta.end, device=q.device)
+            mask = torch.arange(meta.end, device=q.device)[None, :] <= q_pos[:, None]
+        o = _sdpa(q.transpose(1, 2), kc, vc, mask, self.scale)
+        return o.transpose(1, 2)

@@ -1,0 +1,80 @@
+"""Qwen3 decoder layers shared by the talker and the code predictor.
+
+Projections are merged (qkv, gate_up) for fewer, larger matmuls; the loader splits the
+checkpoint's separate q/k/v and gate/up weights into them.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import DecoderConfig
+from ..layers.layernorm import RMSNorm
+from ..layers.rotary import RotaryEmbedding
+
+
+class Qwen3Attention(nn.Module):
+    def __init__(self, cfg: DecoderConfig, attn: nn.Module, rotary: RotaryEmbedding):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_size = cfg.num_heads * cfg.head_dim
+        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=False)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        self.attn = attn
+        object.__setattr__(self, "rotary", rotary)  # shared table, not a submodule of every layer
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta) -> torch.Tensor:
+        lead = x.shape[:-1]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = self.q_norm(q.view(*lead, self.num_heads, self.head_dim))
+        k = self.k_norm(k.view(*lead, self.num_kv_heads, self.head_dim))
+        v = v.view(*lead, self.num_kv_heads, self.head_dim)
+        q, k = self.rotary(positions, q, k)
+        o = self.attn(q, k, v, meta)
+        return self.o_proj(o.reshape(*lead, self.q_size))
+
+
+class Qwen3MLP(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class Qwen3DecoderLayer(nn.Module):
+    def __init__(self, cfg: DecoderConfig, attn: nn.Module, rotary: RotaryEmbedding):
+        super().__init__()
+        self.self_attn = Qwen3Attention(cfg, attn, rotary)
+        self.mlp = Qwen3MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, positions: torch.Tensor, h: torch.Tensor, meta) -> torch.Tensor:
+        h = h + self.self_attn(positions, self.input_layernorm(h), meta)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Qwen3Decoder(nn.Module):
+    """Layers + final norm over input embeddings."""
+
+    def __init__(self, cfg: DecoderConfig, make_attn, max_position: int):
+        super().__init__()
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, max_position)
+        self.layers = nn.ModuleList(
+            Qwen3DecoderLayer(cfg, make_attn(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim), self.rotary)
+            for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, embeds: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:
+        h = embeds
+        for layer in self.layers:
+            h = layer(positions, h, meta)
+        return self.norm(h)
