@@ -96,9 +96,9 @@ class ModelConfig:
             codec_nothink_id=t["codec_nothink_id"],
             codec_think_bos_id=t["codec_think_bos_id"],
             codec_think_eos_id=t["codec_think_eos_id"],
-            speaker_ids={k.lower(): v for k, v in (t.get("spk_id") or {}).items()},
+            speaker_ids={k.lower(): _codec_id(v) for k, v in (t.get("spk_id") or {}).items()},
             speaker_dialects={k.lower(): v for k, v in (t.get("spk_is_dialect") or {}).items()},
-            language_ids={k.lower(): v for k, v in (t.get("codec_language_id") or {}).items()},
+            language_ids={k.lower(): _codec_id(v) for k, v in (t.get("codec_language_id") or {}).items()},
         )
 
     @property
@@ -110,6 +110,15 @@ class ModelConfig:
     @property
     def supported_languages(self) -> list[str]:
         return ["auto"] + [k for k in self.language_ids if "dialect" not in k]
+
+
+def _codec_id(v) -> int:
+    """Configs store a codec id as an int or as a one-element list."""
+    if isinstance(v, (list, tuple)):
+        if len(v) != 1:
+            raise ValueError(f"expected one codec id, got {v}")
+        v = v[0]
+    return int(v)
 
 
 @dataclass

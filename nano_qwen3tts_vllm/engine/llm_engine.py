@@ -85,6 +85,7 @@ class LLMEngine:
     def _prefill(self, seqs: list[Sequence]) -> list[StepOutput]:
         hidden, logits = self.talker.prefill(seqs)
         self._keep_hidden(seqs, hidden)
+        self.talker.reset_history(seqs)
         fresh = [i for i, s in enumerate(seqs) if not s.has_pending_c0]  # preempted ones keep their c0
         outputs = []
         if fresh:

@@ -128,13 +128,16 @@ class TalkerRunner:
         hidden = self.model(embeds, pos, meta)[cu_q[1:].long() - 1]
         return hidden, self.model.codec_head(hidden).float()
 
-    def sample_first(self, seqs: list[Sequence], logits: torch.Tensor) -> torch.Tensor:
-        """Reset each sequence's penalty history to its c0 so far, then sample its next c0."""
+    def reset_history(self, seqs: list[Sequence]) -> None:
+        """Point each sequence's (possibly new) sampler slot at its codebook-0 history so far."""
         slots = torch.tensor([s.slot for s in seqs], dtype=torch.long, device=self.device)
         self.seen[slots] = False
         for s in seqs:
             if s.c0:
                 self.seen[s.slot, s.c0] = True
+
+    def sample_first(self, seqs: list[Sequence], logits: torch.Tensor) -> torch.Tensor:
+        slots = torch.tensor([s.slot for s in seqs], dtype=torch.long, device=self.device)
         return self._sample(seqs, slots, logits)
 
     def _sample(self, seqs: list[Sequence], slots: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
