@@ -84,8 +84,8 @@ def apply_penalties(logits: torch.Tensor, seen: torch.Tensor, penalty: torch.Ten
     penalty [B]; block_eos [B] bool (min_new_tokens not reached); suppress [V] bool."""
     p = penalty[:, None]
     logits = torch.where(seen, torch.where(logits < 0, logits * p, logits / p), logits)
-    eos_mask = torch.zeros_like(suppress)
-    eos_mask[eos_id] = True
+    # built on the device (graph-capturable); an eos_id outside the vocab (fixed-length checkpoints) masks nothing
+    eos_mask = torch.arange(logits.shape[-1], device=logits.device) == eos_id
     logits = logits.masked_fill(block_eos[:, None] & eos_mask[None, :], float("-inf"))
     return logits.masked_fill(suppress[None, :], float("-inf"))
 

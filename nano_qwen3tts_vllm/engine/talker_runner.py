@@ -41,6 +41,7 @@ class TalkerRunner:
         self.seen = torch.zeros(cfg.max_num_seqs + 1, V, dtype=torch.bool, device=device)
         self.suppress = torch.zeros(V, dtype=torch.bool, device=device)
         self.suppress[model_cfg.suppressed_ids] = True
+        self._true = torch.ones((), dtype=torch.bool, device=device)
         self.graphs = None
         if device.type == "cuda" and not cfg.enforce_eager:
             self.graphs = GraphPool(self._graph_body, self._graph_padding(), cfg.max_num_seqs)
@@ -148,8 +149,12 @@ class TalkerRunner:
         logits = apply_penalties(logits, self.seen[slots], penalty, block_eos, self.model_cfg.codec_eos_id,
                                  self.suppress)
         c0 = sample(logits, talker_sampling(seqs, dev), counters)
-        self.seen[slots, c0] = True
+        self._mark_seen(slots, c0)
         return c0
+
+    def _mark_seen(self, slots: torch.Tensor, c0: torch.Tensor) -> None:
+        # index_put_ with a device-resident True: a Python scalar here would be a host copy (illegal in capture)
+        self.seen.index_put_((slots, c0), self._true)
 
     # ---- decode ---------------------------------------------------------------------------
     def decode_inputs(self, seqs: list[Sequence]) -> dict[str, torch.Tensor]:
@@ -179,7 +184,7 @@ class TalkerRunner:
         logits = apply_penalties(logits, self.seen[inp["slots"]], inp["penalty"], inp["block_eos"],
                                  self.model_cfg.codec_eos_id, self.suppress)
         c0 = sample(logits, st, inp["counters"])
-        self.seen[inp["slots"], c0] = True
+        self._mark_seen(inp["slots"], c0)
         return hidden, c0, logits
 
     @torch.inference_mode()

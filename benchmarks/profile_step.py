@@ -1,0 +1,64 @@
+"""Per-component time of one decode step (host prep, predictor, talker, bookkeeping) at a batch size.
+
+    python benchmarks/profile_step.py --model random-1.7b-custom-voice-fixed --batch 1 --steps 50
+"""
+from __future__ import annotations
+
+import argparse
+import time
+from collections import defaultdict
+
+import torch
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="random-1.7b-custom-voice-fixed")
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 64])
+    ap.add_argument("--steps", type=int, default=50)
+    args = ap.parse_args()
+    from nano_qwen3tts_vllm import Qwen3TTSInterface
+    tts = Qwen3TTSInterface.from_pretrained(args.model, max_num_seqs=max(args.batch))
+    eng = tts.engine.engine
+    tts.engine.shutdown()  # drive the engine directly, on this thread
+    text = "The quick brown fox jumps over the lazy dog, again and again, until the sun goes down."
+    for bs in args.batch:
+        jobs = tts._custom_voice_jobs([text] * bs, "vivian", "english", None, True,
+                                      dict(max_new_tokens=args.steps + 20, seed=0))
+        for j in jobs:
+            eng.add_request(j.prompt, j.params)
+        eng.step()  # prefill
+        for _ in range(3):
+            eng.step()
+        acc = defaultdict(float)
+        sync = torch.cuda.synchronize
+        for _ in range(args.steps):
+            sync()
+            t0 = time.perf_counter()
+            seqs, is_prefill = eng.scheduler.schedule()
+            assert not is_prefill
+            slots = torch.tensor([s.slot for s in seqs], device=eng.device)
+            hidden = eng.hidden[slots]
+            sync(); t1 = time.perf_counter()
+            codes, frame_sum = eng.predictor.run(seqs, hidden)
+            sync(); t2 = time.perf_counter()
+            frames = codes.tolist()
+            for s, f in zip(seqs, frames):
+                s.frames.append(f)
+            t3 = time.perf_counter()
+            h, c0 = eng.talker.decode(seqs, frame_sum)
+            sync(); t4 = time.perf_counter()
+            eng._keep_hidden(seqs, h)
+            for s, tok in zip(seqs, c0.tolist()):
+                eng._append_c0(s, tok)
+            sync(); t5 = time.perf_counter()
+            for k, v in (("schedule+gather", t1 - t0), ("predictor", t2 - t1), ("frames to host", t3 - t2),
+                         ("talker", t4 - t3), ("bookkeeping", t5 - t4), ("total", t5 - t0)):
+                acc[k] += v
+        print(f"batch {bs}: " + ", ".join(f"{k} {v / args.steps * 1000:.2f} ms" for k, v in acc.items()))
+        for s in list(eng.seqs):
+            eng.abort(s)
+
+
+if __name__ == "__main__":
+    main()
