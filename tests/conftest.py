@@ -1,6 +1,7 @@
 """Shared fixtures: tiny random checkpoints, the qwen-tts reference, and our interface (CPU, fp32)."""
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
@@ -10,6 +11,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from nano_qwen3tts_vllm.checkpoints import resolve_model
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never reach the hub: every model is built locally
 
 GREEDY = dict(do_sample=False, subtalker_dosample=False)
 
