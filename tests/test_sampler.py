@@ -45,9 +45,8 @@ def _hf_warp_row(row: torch.Tensor, temperature: float, top_k: int, top_p: float
 
 
 def _noise_is_one_case():
-    """(seed, counter, column) where uniform_noise returns exactly 1.0 (found by scanning counters 0..39999
-    for seed 1234 at vocab 3072: the hash's top 24 bits are all ones, and (2**24 - 1) + 0.5 rounds to 2**24
-    in float32)."""
+    """(seed, counter, column) whose hash has all its top bits set: the largest noise value there is
+    (found by scanning counters 0..39999 for seed 1234 at vocab 3072); it used to round to exactly 1.0."""
     return 1234, 6123, 1477
 
 
@@ -129,6 +128,7 @@ def test_warp_matches_transformers_per_row(V):
         (0.9, 20, 1.0),              # ties at the 20th value (below)
         (2.0, 100, 0.5),
         (1.0, 7, 0.95),
+        (0.8, 0, 0.0),               # top_p = 0: transformers still keeps the top token
     ]
     logits = torch.randn(len(settings), V, generator=g) * 2
     # row 5: the 18 largest values are distinct, then 5 tokens share the 19th..23rd largest value
@@ -153,6 +153,7 @@ def test_warp_matches_transformers_per_row(V):
     assert n_kept[1] == V and torch.equal(got[1], logits[1])
     assert n_kept[3] == 1 and got[3].argmax() == logits[3].argmax()
     assert n_kept[4] == 1 and got[4].argmax() == logits[4].argmax()
+    assert n_kept[8] == 1 and got[8].argmax() == logits[8].argmax()
     assert n_kept[5] == 23                               # top-k kept all five tied tokens
     assert 1 < n_kept[0] < 50 and 1 < n_kept[6] < 100    # top-p did cut inside the top-k set
 
@@ -167,6 +168,26 @@ def test_top_p_is_applied_after_temperature_and_top_k():
     assert kept.tolist() == [[True, True, True, False, False, False],
                              [True, False, False, False, False, False],
                              [True, True, False, False, False, False]]
+
+
+def test_top_p_threshold_is_inclusive():
+    """Four equal logits have cumulative probabilities exactly .25 .5 .75 1: a token whose cumulative
+    probability equals 1 - top_p is removed (transformers uses <=)."""
+    logits = torch.tensor([[0.0, 0.0, 0.0, 0.0, float("-inf")]] * 3)
+    st = _st([(True, 1.0, 0, 0.5, 0), (True, 1.0, 0, 0.75, 0), (True, 1.0, 0, 0.25, 0)])
+    got = warp(logits, st)
+    expected = [_hf_warp_row(logits[r], 1.0, 0, p) for r, p in enumerate((0.5, 0.75, 0.25))]
+    assert [int(torch.isfinite(e).sum()) for e in expected] == [2, 3, 1]
+    assert torch.isfinite(got).sum(dim=1).tolist() == [2, 3, 1]
+
+
+def test_top_p_one_keeps_the_probabilities_of_extreme_logits():
+    """With top_p = 1 transformers adds no top-p warper. warp may mask tokens whose float32 probability
+    underflows to 0, but the distribution sampled from must be the same."""
+    logits = torch.tensor([[0.0, -120.0, -5.0, -200.0, 3.0, -90.0]])
+    st = _st([(True, 1.0, 0, 1.0, 0)])
+    expected = _hf_warp_row(logits[0], 1.0, 0, 1.0)
+    assert torch.equal(warp(logits, st)[0].softmax(-1), expected.softmax(-1))
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -322,17 +343,15 @@ def test_seeds_differing_only_in_high_bits_give_different_noise():
             assert (u[i] == u[j]).float().mean() < 0.01, f"seeds {int(seeds[i])} and {int(seeds[j])}"
 
 
-@pytest.mark.xfail(strict=True, reason="uniform_noise can return exactly 1.0: ((2**24-1) + 0.5) rounds to 2**24 "
-                                       "in float32, so the top 24-bit value maps to 1.0")
 def test_uniform_noise_is_strictly_below_one():
+    """Regression: with 24 bits, (2**24-1) + 0.5 rounded to 2**24 in float32 and the noise reached 1.0."""
     seed, counter, col = _noise_is_one_case()
     u = uniform_noise(torch.tensor([seed]), torch.tensor([counter]), TALKER_VOCAB)
     assert u[0, col] < 1.0
 
 
-@pytest.mark.xfail(strict=True, reason="noise == 1.0 gives -log(noise) = -0.0, so a filtered token (prob 0) "
-                                       "scores 0/-0.0 = NaN and wins the argmax: a token outside top-k is sampled")
 def test_filtered_token_is_never_sampled_even_at_noise_one():
+    """Regression: noise 1.0 gave -log(noise) = -0.0, so a filtered token scored 0/-0.0 = NaN and won."""
     seed, counter, col = _noise_is_one_case()
     g = _gen(8)
     logits = torch.randn(1, TALKER_VOCAB, generator=g)

@@ -38,7 +38,8 @@ def uniform_noise(seeds: torch.Tensor, counters: torch.Tensor, vocab: int) -> to
     key = _mix32((s & _M32) ^ _mix32(((s >> 32) & _M32) ^ _mix32(counters.long() & _M32)))
     cols = torch.arange(vocab, device=seeds.device, dtype=torch.long)
     bits = _mix32(key[:, None] ^ _mix32(cols + 0x9E3779B9 & _M32)[None, :])
-    return ((bits >> 8).float() + 0.5) * (1.0 / (1 << 24))
+    # 23 bits + 0.5 is exact in float32, so u is strictly inside (0, 1) and -log(u) > 0
+    return ((bits >> 9).float() + 0.5) * (1.0 / (1 << 23))
 
 
 @dataclass
