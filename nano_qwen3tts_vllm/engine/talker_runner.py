@@ -2,6 +2,7 @@
 then the codebook-0 sampler. Per-batch-size CUDA graphs cover the decode step with sampling."""
 from __future__ import annotations
 
+import importlib.util
 import logging
 from pathlib import Path
 
@@ -72,11 +73,17 @@ class TalkerRunner:
         return num_blocks
 
     def _attention_backend(self) -> str:
-        want = self.cfg.attention_backend
+        """auto: flash-attn if installed and usable (bf16/fp16, blocks of 256), else Triton on CUDA, else PyTorch."""
+        want, cuda = self.cfg.attention_backend, self.device.type == "cuda"
+        flash_ok = cuda and self.dtype in (torch.float16, torch.bfloat16) and self.block_size % 256 == 0
         if want == "auto":
-            return "triton" if self.device.type == "cuda" else "torch"
-        if want in ("triton", "flash") and self.device.type != "cuda":
+            if flash_ok and importlib.util.find_spec("flash_attn") is not None:
+                return "flash"
+            return "triton" if cuda else "torch"
+        if want in ("triton", "flash") and not cuda:
             raise ValueError(f"attention_backend={want!r} needs CUDA; use 'torch' on {self.device.type}")
+        if want == "flash" and not flash_ok:
+            raise ValueError("attention_backend='flash' needs bf16/fp16 and kvcache_block_size a multiple of 256")
         return want
 
     @property

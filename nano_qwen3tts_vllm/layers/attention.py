@@ -69,6 +69,22 @@ def torch_decode(q, k_cache, v_cache, meta: PagedMetadata, scale: float) -> torc
     return o.squeeze(2)
 
 
+def flash_prefill(q, k, v, k_cache, v_cache, meta: PagedMetadata, scale: float) -> torch.Tensor:
+    from flash_attn import flash_attn_varlen_func
+    block_table = None
+    if meta.has_prefix:  # read the whole context (cached prefix + new) from the paged cache
+        k, v, block_table = k_cache, v_cache, meta.block_tables
+    return flash_attn_varlen_func(q, k, v, cu_seqlens_q=meta.cu_seqlens_q, cu_seqlens_k=meta.cu_seqlens_k,
+                                  max_seqlen_q=max(meta.seqlens_q), max_seqlen_k=max(meta.seqlens_k),
+                                  softmax_scale=scale, causal=True, block_table=block_table)
+
+
+def flash_decode(q, k_cache, v_cache, meta: PagedMetadata, scale: float) -> torch.Tensor:
+    from flash_attn import flash_attn_with_kvcache
+    return flash_attn_with_kvcache(q.unsqueeze(1), k_cache, v_cache, cache_seqlens=meta.context_lens,
+                                   block_table=meta.block_tables, softmax_scale=scale, causal=True).squeeze(1)
+
+
 class PagedAttention(nn.Module):
     """Writes the new k/v into the paged cache, then attends (varlen prefill or decode)."""
 
@@ -81,14 +97,15 @@ class PagedAttention(nn.Module):
 
     def forward(self, q, k, v, meta: PagedMetadata) -> torch.Tensor:
         store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
-        if self.backend == "triton":
-            from . import triton_attention
+        if self.backend == "flash":
             if meta.is_prefill:
-                return torch_prefill(q, k, v, self.k_cache, self.v_cache, meta, self.scale)
-            return triton_attention.paged_decode(q, self.k_cache, self.v_cache, meta.block_tables,
-                                                 meta.context_lens, self.scale)
+                return flash_prefill(q, k, v, self.k_cache, self.v_cache, meta, self.scale)
+            return flash_decode(q, self.k_cache, self.v_cache, meta, self.scale)
         if meta.is_prefill:
             return torch_prefill(q, k, v, self.k_cache, self.v_cache, meta, self.scale)
+        if self.backend == "triton":
+            from .triton_attention import paged_decode
+            return paged_decode(q, self.k_cache, self.v_cache, meta.block_tables, meta.context_lens, self.scale)
         return torch_decode(q, self.k_cache, self.v_cache, meta, self.scale)
 
 
