@@ -45,7 +45,7 @@ except Exception:  # pragma: no cover - qwen-tts is a dependency
 
 
 @dataclass
-class _Job:
+class TTSRequest:
     """One validated request: its prompt, settings, and the reference codes ICL audio starts with."""
     prompt: Prompt
     params: SamplingParams
@@ -168,6 +168,42 @@ class Qwen3TTSInterface:
                                       voice_clone_prompt, non_streaming_mode, kwargs)
         return self._stream(jobs[0], chunk_size, first_chunk_size)
 
+    # ---- one request at a time (what the server uses) ------------------------------------
+    def build_request(self, task_type: str, text: str, language: str | None = None, speaker: str | None = None,
+                      instruct: str | None = None, ref_audio=None, ref_text: str | None = None,
+                      x_vector_only_mode: bool = False, voice_clone_prompt=None,
+                      non_streaming_mode: bool | None = None, **gen) -> TTSRequest:
+        """Validate and build one request; raises ValueError (nothing is queued). task_type is
+        "CustomVoice", "VoiceDesign" or "Base"; non_streaming_mode defaults as upstream per task."""
+        if task_type == "CustomVoice":
+            nsm = True if non_streaming_mode is None else non_streaming_mode
+            return self._custom_voice_jobs(_one(text), speaker, language, instruct, nsm, gen)[0]
+        if task_type == "VoiceDesign":
+            nsm = True if non_streaming_mode is None else non_streaming_mode
+            return self._voice_design_jobs(_one(text), instruct or "", language, nsm, gen)[0]
+        if task_type == "Base":
+            nsm = False if non_streaming_mode is None else non_streaming_mode
+            return self._voice_clone_jobs(_one(text), language, ref_audio, ref_text, x_vector_only_mode,
+                                          voice_clone_prompt, nsm, gen)[0]
+        raise ValueError(f"task_type must be CustomVoice, VoiceDesign or Base; got {task_type!r}")
+
+    def stream_request(self, request: TTSRequest, chunk_size: int = 12, first_chunk_size: int = 4) -> Iterator[np.ndarray]:
+        return self._stream(request, chunk_size, first_chunk_size)
+
+    def astream_request(self, request: TTSRequest, chunk_size: int = 12,
+                        first_chunk_size: int = 4) -> AsyncIterator[np.ndarray]:
+        """Async generator of float32 chunks; decoding runs in a worker thread, never on the event loop."""
+        return self._astream(request, chunk_size, first_chunk_size)
+
+    def stats(self) -> dict[str, float]:
+        """Engine load, for health checks and metrics."""
+        eng = self.engine.engine
+        bm = eng.scheduler.block_manager
+        return dict(running=len(eng.scheduler.running), waiting=len(eng.scheduler.waiting),
+                    kv_blocks_total=bm.num_blocks, kv_blocks_free=bm.num_free_blocks,
+                    kv_usage=1 - bm.num_free_blocks / bm.num_blocks, preemptions=eng.scheduler.num_preemptions,
+                    max_num_seqs=eng.cfg.max_num_seqs, alive=float(self.engine.is_alive()))
+
     # ---- asyncio --------------------------------------------------------------------------
     async def agenerate_custom_voice(self, text, speaker, language=None, instruct=None,
                                      non_streaming_mode: bool = True, **kwargs):
@@ -282,18 +318,18 @@ class Qwen3TTSInterface:
             raise ValueError(f"unsupported languages: {bad}; supported: {sorted(supported)}")
         return langs
 
-    def _job(self, text: str, language: str, kwargs: dict, non_streaming_mode: bool, **prompt_kw) -> _Job:
+    def _job(self, text: str, language: str, kwargs: dict, non_streaming_mode: bool, **prompt_kw) -> TTSRequest:
         params = self._params(kwargs)
         input_ids = self._tokenize(f"<|im_start|>assistant\n{text}<|im_end|>\n<|im_start|>assistant\n")
         prompt = build_prompt(self.model_cfg, input_ids, language, non_streaming_mode=non_streaming_mode, **prompt_kw)
-        return _Job(prompt, self._fit(prompt, params, kwargs.get("max_new_tokens") is not None))
+        return TTSRequest(prompt, self._fit(prompt, params, kwargs.get("max_new_tokens") is not None))
 
     def _instruct_ids(self, instruct: str | None) -> list[int] | None:
         if not instruct:
             return None
         return self._tokenize(f"<|im_start|>user\n{instruct}<|im_end|>\n")
 
-    def _custom_voice_jobs(self, text, speaker, language, instruct, non_streaming_mode, kwargs) -> list[_Job]:
+    def _custom_voice_jobs(self, text, speaker, language, instruct, non_streaming_mode, kwargs) -> list[TTSRequest]:
         self._require("custom_voice", "generate_custom_voice")
         texts = self._texts(text)
         langs = self._languages(language, len(texts))
@@ -308,7 +344,7 @@ class Qwen3TTSInterface:
         return [self._job(t, l, kwargs, non_streaming_mode, speaker=s, instruct_ids=self._instruct_ids(i))
                 for t, l, s, i in zip(texts, langs, speakers, instructs)]
 
-    def _voice_design_jobs(self, text, instruct, language, non_streaming_mode, kwargs) -> list[_Job]:
+    def _voice_design_jobs(self, text, instruct, language, non_streaming_mode, kwargs) -> list[TTSRequest]:
         self._require("voice_design", "generate_voice_design")
         texts = self._texts(text)
         langs = self._languages(language, len(texts))
@@ -317,7 +353,7 @@ class Qwen3TTSInterface:
                 for t, l, i in zip(texts, langs, instructs)]
 
     def _voice_clone_jobs(self, text, language, ref_audio, ref_text, x_vector_only_mode, voice_clone_prompt,
-                          non_streaming_mode, kwargs) -> list[_Job]:
+                          non_streaming_mode, kwargs) -> list[TTSRequest]:
         self._require("base", "generate_voice_clone")
         if kwargs.get("instruct"):
             warnings.warn("Base (voice clone) models take no instruct; it is ignored", stacklevel=3)
@@ -353,7 +389,7 @@ class Qwen3TTSInterface:
         return jobs
 
     # ---- running and decoding -------------------------------------------------------------
-    def _submit(self, jobs: list[_Job], loop=None) -> list[RequestStream]:
+    def _submit(self, jobs: list[TTSRequest], loop=None) -> list[RequestStream]:
         streams = []
         try:
             for job in jobs:
@@ -364,7 +400,7 @@ class Qwen3TTSInterface:
             raise
         return streams
 
-    def _run(self, jobs: list[_Job]) -> tuple[list[np.ndarray], int]:
+    def _run(self, jobs: list[TTSRequest]) -> tuple[list[np.ndarray], int]:
         streams = self._submit(jobs)
         frames = []
         try:
@@ -376,7 +412,7 @@ class Qwen3TTSInterface:
             raise
         return self._decode(jobs, frames)
 
-    async def _arun(self, jobs: list[_Job]) -> tuple[list[np.ndarray], int]:
+    async def _arun(self, jobs: list[TTSRequest]) -> tuple[list[np.ndarray], int]:
         streams = self._submit(jobs, loop=asyncio.get_running_loop())
         try:
             frames = [[f async for f in s.aiter()] for s in streams]
@@ -386,7 +422,7 @@ class Qwen3TTSInterface:
             raise
         return await asyncio.to_thread(self._decode, jobs, frames)
 
-    def _decode(self, jobs: list[_Job], frames: list[list[list[int]]]) -> tuple[list[np.ndarray], int]:
+    def _decode(self, jobs: list[TTSRequest], frames: list[list[list[int]]]) -> tuple[list[np.ndarray], int]:
         """Decode as qwen-tts does: all together; ICL audio starts with the reference codes, then cut."""
         codes = []
         for job, f in zip(jobs, frames):
@@ -401,7 +437,7 @@ class Qwen3TTSInterface:
             out.append(wav)
         return out, sr
 
-    def _stream(self, job: _Job, chunk_size: int, first_chunk_size: int) -> Iterator[np.ndarray]:
+    def _stream(self, job: TTSRequest, chunk_size: int, first_chunk_size: int) -> Iterator[np.ndarray]:
         dec = StreamingDecoder(self.speech_tokenizer.model, chunk_size, first_chunk_size)
         stream = self._submit([job])[0]
         try:
@@ -419,7 +455,7 @@ class Qwen3TTSInterface:
             if stream.finish_reason is None:
                 stream.abort()
 
-    async def _astream(self, job: _Job, chunk_size: int, first_chunk_size: int) -> AsyncIterator[np.ndarray]:
+    async def _astream(self, job: TTSRequest, chunk_size: int, first_chunk_size: int) -> AsyncIterator[np.ndarray]:
         dec = StreamingDecoder(self.speech_tokenizer.model, chunk_size, first_chunk_size)
         stream = self._submit([job], loop=asyncio.get_running_loop())[0]
         try:

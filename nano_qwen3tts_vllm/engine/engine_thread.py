@@ -98,6 +98,9 @@ class EngineThread:
     def abort(self, request_id: str) -> None:
         self._commands.put(("abort", request_id))
 
+    def is_alive(self) -> bool:
+        return self._thread.is_alive() and not self._stopped
+
     def shutdown(self) -> None:
         self._stopped = True
         self._commands.put(("stop",))
