@@ -37,18 +37,20 @@ def main() -> None:
             t0 = time.perf_counter()
             seqs, is_prefill = eng.scheduler.schedule()
             assert not is_prefill
+            ex = eng.executor
+            rows = [s.step_row(prefill=False) for s in seqs]
             slots = torch.tensor([s.slot for s in seqs], device=eng.device)
-            hidden = eng.hidden[slots]
+            hidden = ex.hidden[slots]
             sync(); t1 = time.perf_counter()
-            codes, frame_sum = eng.predictor.run(seqs, hidden)
+            codes, frame_sum = ex.predictor.run(rows, hidden)
             sync(); t2 = time.perf_counter()
             frames = codes.tolist()
             for s, f in zip(seqs, frames):
                 s.frames.append(f)
             t3 = time.perf_counter()
-            h, c0 = eng.talker.decode(seqs, frame_sum)
+            h, c0 = ex.talker.decode(rows, frame_sum)
             sync(); t4 = time.perf_counter()
-            eng._keep_hidden(seqs, h)
+            ex.hidden[slots] = h
             for s, tok in zip(seqs, c0.tolist()):
                 eng._append_c0(s, tok)
             sync(); t5 = time.perf_counter()

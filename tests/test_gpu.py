@@ -65,7 +65,8 @@ def gpu_reference(model_dir):
 @pytest.mark.parametrize("name", ["tiny-random", "tiny-random-voice-design", "tiny-random-base"])
 def test_fp32_parity_with_cuda_graphs(ckpt, gpu_models, ref_wav, name):
     mine = gpu_models(name)
-    assert mine.engine.engine.talker.graphs is not None and mine.engine.engine.predictor.graphs is not None
+    executor = mine.engine.engine.executor
+    assert executor.talker.graphs is not None and executor.predictor.graphs is not None
     ref = gpu_reference(ckpt(name))
     for nsm in (True, False):
         kw = dict(language="english", non_streaming_mode=nsm, max_new_tokens=32, **GREEDY)

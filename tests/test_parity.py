@@ -122,9 +122,9 @@ def test_teacher_forced_logits(ckpt, reference, ours):
     for head in ref.model.model.talker.code_predictor.lm_head:
         hooks.append(head.register_forward_hook(lambda m, i, o: got_ref.append(o[0, -1].detach().float().clone())))
     engine = mine.engine.engine
-    hooks.append(engine.talker.model.codec_head.register_forward_hook(
+    hooks.append(engine.executor.talker.model.codec_head.register_forward_hook(
         lambda m, i, o: got_ours.append(o[0].detach().float().clone())))
-    predictor = engine.predictor.model
+    predictor = engine.executor.predictor.model
     original = predictor.logits
 
     def recording_logits(h, step):

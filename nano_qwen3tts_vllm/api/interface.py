@@ -88,12 +88,14 @@ class Qwen3TTSInterface:
     @classmethod
     def from_pretrained(cls, model: str, device: str | torch.device | None = None,
                         dtype: torch.dtype | None = None, engine_config: EngineConfig | None = None,
-                        **engine_kwargs) -> "Qwen3TTSInterface":
+                        multiprocess: bool = False, talker_device: str | None = None,
+                        predictor_device: str | None = None, **engine_kwargs) -> "Qwen3TTSInterface":
         """Load a checkpoint directory, hub id, or a built-in name such as "tiny-random".
 
         Defaults: CUDA in bf16 when available, else CPU in fp32. Engine settings
         (max_num_seqs, max_model_len, enforce_eager, gpu_memory_utilization, ...) may be given
-        as keywords or as an EngineConfig.
+        as keywords or as an EngineConfig. `multiprocess=True` runs the talker and the code
+        predictor in two worker processes (the serving layout), optionally on different devices.
         """
         from qwen_tts import Qwen3TTSTokenizer
         from qwen_tts.core.models import Qwen3TTSConfig, Qwen3TTSProcessor
@@ -101,7 +103,8 @@ class Qwen3TTSInterface:
 
         model_dir = resolve_model_dir(model)
         cfg = engine_config or EngineConfig(**engine_kwargs)
-        engine = LLMEngine(model_dir, cfg, device=device, dtype=dtype)
+        engine = LLMEngine(model_dir, cfg, device=device, dtype=dtype, multiprocess=multiprocess,
+                           talker_device=talker_device, predictor_device=predictor_device)
         AutoConfig.register("qwen3_tts", Qwen3TTSConfig, exist_ok=True)
         AutoProcessor.register(Qwen3TTSConfig, Qwen3TTSProcessor, exist_ok=True)
         processor = AutoProcessor.from_pretrained(str(model_dir), fix_mistral_regex=True)

@@ -99,12 +99,13 @@ class EngineThread:
         self._commands.put(("abort", request_id))
 
     def is_alive(self) -> bool:
-        return self._thread.is_alive() and not self._stopped
+        return self._thread.is_alive() and not self._stopped and self.engine.is_alive()
 
     def shutdown(self) -> None:
         self._stopped = True
         self._commands.put(("stop",))
         self._thread.join(timeout=30)
+        self.engine.shutdown()
 
     def _apply(self, cmd) -> bool:
         if cmd[0] == "stop":
@@ -139,6 +140,7 @@ class EngineThread:
             except Exception as e:  # noqa: BLE001
                 logger.exception("engine step failed; failing the requests in flight")
                 self._fail_all(EngineError(f"engine step failed: {e!r}"))
+                self._recover()
                 continue
             for out in outputs:
                 stream = self._streams.get(out.request_id)
@@ -147,6 +149,12 @@ class EngineThread:
                     if out.finished:
                         del self._streams[out.request_id]
         self._fail_all(EngineError("the engine was shut down"))
+
+    def _recover(self) -> None:
+        try:
+            self.engine.recover()
+        except Exception:  # noqa: BLE001
+            logger.exception("could not recover the engine; it stays unhealthy")
 
     def _fail_all(self, err: Exception) -> None:
         for rid, stream in list(self._streams.items()):

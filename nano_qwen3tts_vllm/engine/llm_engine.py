@@ -10,10 +10,9 @@ import torch
 
 from ..config import EngineConfig, ModelConfig
 from ..sampling_params import SamplingParams
-from .predictor_runner import PredictorRunner
+from .executor import InProcessExecutor
 from .scheduler import Scheduler
 from .sequence import Prompt, Sequence
-from .talker_runner import TalkerRunner
 
 logger = logging.getLogger(__name__)
 
@@ -27,24 +26,33 @@ class StepOutput:
 
 
 class LLMEngine:
+    """Scheduling and book-keeping; the model work runs in an executor: in this process, or in a
+    talker and a predictor worker process (`multiprocess=True`, optionally on different devices)."""
+
     def __init__(self, model_dir: str | Path, cfg: EngineConfig | None = None,
-                 device: str | torch.device | None = None, dtype: torch.dtype | None = None):
+                 device: str | torch.device | None = None, dtype: torch.dtype | None = None,
+                 multiprocess: bool = False, talker_device: str | None = None, predictor_device: str | None = None):
         self.cfg = cfg or EngineConfig()
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
         self.model_cfg = ModelConfig.from_pretrained(model_dir)
-        self.talker = TalkerRunner(self.model_cfg, self.cfg, model_dir, self.device, self.dtype)
-        self.predictor = PredictorRunner(self.model_cfg, self.cfg, model_dir, self.device, self.dtype)
-        self.scheduler = Scheduler(self.cfg, self.talker.num_blocks)
-        self.hidden = torch.zeros(self.cfg.max_num_seqs, self.model_cfg.talker.hidden_size,
-                                  dtype=self.dtype, device=self.device)
+        if multiprocess:
+            from ..workers.executor import MultiprocessExecutor
+            self.executor = MultiprocessExecutor(model_dir, self.cfg, torch.device(talker_device or self.device),
+                                                 torch.device(predictor_device or self.device), self.dtype)
+        else:
+            if (talker_device or predictor_device) and torch.device(talker_device or self.device) != torch.device(
+                    predictor_device or self.device):
+                raise ValueError("talker and predictor on different devices needs multiprocess=True")
+            self.executor = InProcessExecutor(self.model_cfg, self.cfg, model_dir, self.device, self.dtype)
+        self.scheduler = Scheduler(self.cfg, self.executor.num_blocks)
         self.seqs: dict[str, Sequence] = {}
         self._seed_rng = random.SystemRandom()
 
     @property
     def max_frames(self) -> int:
         """The most codec positions one sequence can hold (prompt + frames)."""
-        return min(self.cfg.max_model_len, self.talker.num_blocks * self.cfg.kvcache_block_size)
+        return min(self.cfg.max_model_len, self.executor.num_blocks * self.cfg.kvcache_block_size)
 
     def check_fits(self, prompt: Prompt, params: SamplingParams) -> None:
         # the last sampled c0 never gets a frame, so a sequence needs L + max_new_tokens - 1 positions
@@ -83,36 +91,36 @@ class LLMEngine:
         return self._decode(seqs)
 
     def _prefill(self, seqs: list[Sequence]) -> list[StepOutput]:
-        hidden, logits = self.talker.prefill(seqs)
-        self._keep_hidden(seqs, hidden)
-        self.talker.reset_history(seqs)
-        fresh = [i for i, s in enumerate(seqs) if not s.has_pending_c0]  # preempted ones keep their c0
+        c0 = self.executor.prefill([s.step_row(prefill=True) for s in seqs])
         outputs = []
-        if fresh:
-            c0 = self.talker.sample_first([seqs[i] for i in fresh], logits[fresh]).tolist()
-            for i, tok in zip(fresh, c0):
-                out = self._append_c0(seqs[i], tok)
+        for seq, tok in zip(seqs, c0):
+            if tok >= 0:  # -1: a re-prefilled (preempted) sequence keeps the c0 it had
+                out = self._append_c0(seq, tok)
                 if out:
                     outputs.append(out)
         return outputs
 
     def _decode(self, seqs: list[Sequence]) -> list[StepOutput]:
-        slots = torch.tensor([s.slot for s in seqs], device=self.device)
-        codes, frame_sum = self.predictor.run(seqs, self.hidden[slots])
+        codes, c0 = self.executor.decode([s.step_row(prefill=False) for s in seqs])
         outputs = []
-        for seq, frame in zip(seqs, codes.tolist()):
+        for seq, frame, tok in zip(seqs, codes, c0):
             seq.frames.append(frame)
-            outputs.append(StepOutput(seq.request_id, frame, False))
-        hidden, c0 = self.talker.decode(seqs, frame_sum)
-        self._keep_hidden(seqs, hidden)
-        for out, seq, tok in zip(outputs, seqs, c0.tolist()):
+            out = StepOutput(seq.request_id, frame, False)
             done = self._append_c0(seq, tok)
             if done:
                 out.finished, out.finish_reason = True, done.finish_reason
+            outputs.append(out)
         return outputs
 
-    def _keep_hidden(self, seqs: list[Sequence], hidden: torch.Tensor) -> None:
-        self.hidden[[s.slot for s in seqs]] = hidden
+    def is_alive(self) -> bool:
+        return self.executor.is_alive()
+
+    def recover(self) -> None:
+        """After a failed step (whose requests were failed): restart the workers if they died."""
+        self.executor.recover()
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()
 
     def _append_c0(self, seq: Sequence, tok: int) -> StepOutput | None:
         seq.c0.append(tok)

@@ -12,10 +12,10 @@ from ..models.loader import load_weights
 from ..models.predictor import CodePredictor
 from .cuda_graphs import GraphPool
 from .sampler import SamplingTensors, sample
-from .sequence import Sequence
+from .sequence import StepRow
 
 
-def predictor_sampling(seqs: list[Sequence], device) -> SamplingTensors:
+def predictor_sampling(seqs: list[StepRow], device) -> SamplingTensors:
     return SamplingTensors.build([(s.params.subtalker_dosample,
                                    s.params.subtalker_temperature if s.params.subtalker_dosample else 1.0,
                                    s.params.subtalker_top_k, s.params.subtalker_top_p, s.seed) for s in seqs], device)
@@ -59,10 +59,10 @@ class PredictorRunner:
         return torch.stack(codes, dim=1), torch.stack(embeds, dim=1).sum(1)
 
     @torch.inference_mode()
-    def run(self, seqs: list[Sequence], hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def run(self, seqs: list[StepRow], hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         dev = self.device
-        c0 = torch.tensor([s.c0[len(s.frames)] for s in seqs], dtype=torch.long, device=dev)
-        frame_idx = torch.tensor([len(s.frames) for s in seqs], dtype=torch.long, device=dev)
+        c0 = torch.tensor([s.pending_c0 for s in seqs], dtype=torch.long, device=dev)
+        frame_idx = torch.tensor([s.num_frames for s in seqs], dtype=torch.long, device=dev)
         st = predictor_sampling(seqs, dev)
         if self.graphs is not None:
             return self.graphs.run(dict(hidden=hidden, c0=c0, frame_idx=frame_idx, **st.as_dict()))

@@ -28,6 +28,28 @@ class Prompt:
         return len(self.text_ids)
 
 
+@dataclass
+class StepRow:
+    """What a runner needs of one sequence for one step: small and picklable, so it can cross to
+    a worker process. Counts are taken before the step."""
+    slot: int
+    seed: int
+    params: SamplingParams
+    num_c0: int                   # codebook-0 ids sampled so far
+    num_frames: int
+    num_tokens: int               # KV positions before this step (a decode step writes position num_tokens)
+    num_cached_tokens: int
+    block_table: list[int]
+    pending_c0: int = -1          # sampled c0 still waiting for its frame
+    step_text_id: int = -1        # text id added to the frame this decode step feeds back
+    # prefill only: positions [num_cached_tokens, num_tokens)
+    text_ids: np.ndarray | None = None
+    codes: np.ndarray | None = None
+    speaker: np.ndarray | None = None
+    speaker_row: int = -1         # index into text_ids where the speaker vector is added
+    c0_history: list[int] | None = None
+
+
 class SequenceStatus(Enum):
     WAITING = auto()
     RUNNING = auto()
@@ -90,6 +112,21 @@ class Sequence:
             text.append(np.array([self.step_text_id(t) for t in range(t0, end - L)], dtype=np.int64))
             codes.append(np.array(self.frames[t0:end - L], dtype=np.int64).reshape(-1, self.prompt.codes.shape[1]))
         return np.concatenate(text), np.concatenate(codes)
+
+    def step_row(self, prefill: bool) -> StepRow:
+        n = len(self.frames)
+        row = StepRow(slot=self.slot, seed=self.seed, params=self.params, num_c0=len(self.c0), num_frames=n,
+                      num_tokens=self.num_tokens, num_cached_tokens=self.num_cached_tokens,
+                      block_table=list(self.block_table), pending_c0=self.c0[n] if self.has_pending_c0 else -1,
+                      step_text_id=self.step_text_id(n))
+        if prefill:
+            start = self.num_cached_tokens
+            row.text_ids, row.codes = self.positions(start, self.num_tokens)
+            row.c0_history = list(self.c0)
+            p = self.prompt
+            if p.speaker is not None and start <= p.speaker_pos < self.num_tokens:
+                row.speaker, row.speaker_row = p.speaker, p.speaker_pos - start
+        return row
 
     def block_bytes(self, i: int) -> bytes:
         """Content of prompt block i for prefix hashing (speaker vector included)."""

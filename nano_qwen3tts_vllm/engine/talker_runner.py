@@ -15,12 +15,12 @@ from ..models.loader import load_weights
 from ..models.talker import Talker
 from .cuda_graphs import GraphPool
 from .sampler import SamplingTensors, apply_penalties, sample
-from .sequence import Sequence
+from .sequence import StepRow
 
 logger = logging.getLogger(__name__)
 
 
-def talker_sampling(seqs: list[Sequence], device) -> SamplingTensors:
+def talker_sampling(seqs: list[StepRow], device) -> SamplingTensors:
     return SamplingTensors.build([(s.params.do_sample, s.params.temperature if s.params.do_sample else 1.0,
                                    s.params.top_k, s.params.top_p, s.seed) for s in seqs], device)
 
@@ -90,34 +90,32 @@ class TalkerRunner:
     def scratch_block(self) -> int:
         return self.num_blocks
 
-    def _slots(self, seq: Sequence, start: int, end: int) -> list[int]:
+    def _slots(self, seq: StepRow, start: int, end: int) -> list[int]:
         bs = self.block_size
         return [seq.block_table[p // bs] * bs + p % bs for p in range(start, end)]
 
-    def _block_tables(self, seqs: list[Sequence], width: int) -> torch.Tensor:
+    def _block_tables(self, seqs: list[StepRow], width: int) -> torch.Tensor:
         rows = [s.block_table + [self.scratch_block] * (width - len(s.block_table)) for s in seqs]
         return torch.tensor(rows, dtype=torch.int32, device=self.device)
 
     # ---- prefill --------------------------------------------------------------------------
     @torch.inference_mode()
-    def prefill(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
+    def prefill(self, seqs: list[StepRow]) -> tuple[torch.Tensor, torch.Tensor]:
         """Compute every uncached position; return (last hidden [B, H], codebook-0 logits [B, V] fp32)."""
         text, codes, positions, slots, seqlens_q, seqlens_k = [], [], [], [], [], []
         speaker_rows, speaker_vecs = [], []
         offset = 0
         for seq in seqs:
             start, end = seq.num_cached_tokens, seq.num_tokens
-            t, c = seq.positions(start, end)
-            text.append(t)
-            codes.append(c)
+            text.append(seq.text_ids)
+            codes.append(seq.codes)
             positions.append(np.arange(start, end))
             slots += self._slots(seq, start, end)
             seqlens_q.append(end - start)
             seqlens_k.append(end)
-            p = seq.prompt
-            if p.speaker is not None and start <= p.speaker_pos < end:
-                speaker_rows.append(offset + p.speaker_pos - start)
-                speaker_vecs.append(p.speaker)
+            if seq.speaker is not None:
+                speaker_rows.append(offset + seq.speaker_row)
+                speaker_vecs.append(seq.speaker)
             offset += end - start
         dev = self.device
         embeds = self.model.embed(torch.from_numpy(np.concatenate(text)).to(dev),
@@ -136,23 +134,23 @@ class TalkerRunner:
         hidden = self.model(embeds, pos, meta)[cu_q[1:].long() - 1]
         return hidden, self.model.codec_head(hidden).float()
 
-    def reset_history(self, seqs: list[Sequence]) -> None:
+    def reset_history(self, seqs: list[StepRow]) -> None:
         """Point each sequence's (possibly new) sampler slot at its codebook-0 history so far."""
         slots = torch.tensor([s.slot for s in seqs], dtype=torch.long, device=self.device)
         self.seen[slots] = False
         for s in seqs:
-            if s.c0:
-                self.seen[s.slot, s.c0] = True
+            if s.c0_history:
+                self.seen[s.slot, s.c0_history] = True
 
-    def sample_first(self, seqs: list[Sequence], logits: torch.Tensor) -> torch.Tensor:
+    def sample_first(self, seqs: list[StepRow], logits: torch.Tensor) -> torch.Tensor:
         slots = torch.tensor([s.slot for s in seqs], dtype=torch.long, device=self.device)
         return self._sample(seqs, slots, logits)
 
-    def _sample(self, seqs: list[Sequence], slots: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    def _sample(self, seqs: list[StepRow], slots: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         dev = self.device
         penalty = torch.tensor([s.params.repetition_penalty for s in seqs], dtype=torch.float32, device=dev)
-        block_eos = torch.tensor([len(s.c0) < s.params.min_new_tokens for s in seqs], device=dev)
-        counters = torch.tensor([len(s.c0) * 16 for s in seqs], dtype=torch.long, device=dev)
+        block_eos = torch.tensor([s.num_c0 < s.params.min_new_tokens for s in seqs], device=dev)
+        counters = torch.tensor([s.num_c0 * 16 for s in seqs], dtype=torch.long, device=dev)
         logits = apply_penalties(logits, self.seen[slots], penalty, block_eos, self.model_cfg.codec_eos_id,
                                  self.suppress)
         c0 = sample(logits, talker_sampling(seqs, dev), counters)
@@ -164,12 +162,12 @@ class TalkerRunner:
         self.seen.index_put_((slots, c0), self._true)
 
     # ---- decode ---------------------------------------------------------------------------
-    def decode_inputs(self, seqs: list[Sequence]) -> dict[str, torch.Tensor]:
-        """Inputs of one decode step; each sequence's newest frame is its last position."""
+    def decode_inputs(self, seqs: list[StepRow]) -> dict[str, torch.Tensor]:
+        """Inputs of one decode step: each sequence feeds back its newest frame at position num_tokens."""
         dev = self.device
-        positions = [s.num_tokens - 1 for s in seqs]
+        positions = [s.num_tokens for s in seqs]
         return dict(
-            text_ids=torch.tensor([s.step_text_id(len(s.frames) - 1) for s in seqs], dtype=torch.long, device=dev),
+            text_ids=torch.tensor([s.step_text_id for s in seqs], dtype=torch.long, device=dev),
             positions=torch.tensor(positions, dtype=torch.long, device=dev),
             slot_mapping=torch.tensor([self._slots(s, p, p + 1)[0] for s, p in zip(seqs, positions)],
                                       dtype=torch.long, device=dev),
@@ -177,8 +175,8 @@ class TalkerRunner:
             block_tables=self._block_tables(seqs, max(len(s.block_table) for s in seqs)),
             slots=torch.tensor([s.slot for s in seqs], dtype=torch.long, device=dev),
             penalty=torch.tensor([s.params.repetition_penalty for s in seqs], dtype=torch.float32, device=dev),
-            block_eos=torch.tensor([len(s.c0) < s.params.min_new_tokens for s in seqs], device=dev),
-            counters=torch.tensor([len(s.c0) * 16 for s in seqs], dtype=torch.long, device=dev),
+            block_eos=torch.tensor([s.num_c0 < s.params.min_new_tokens for s in seqs], device=dev),
+            counters=torch.tensor([s.num_c0 * 16 for s in seqs], dtype=torch.long, device=dev),
         )
 
     def decode_step(self, frame_sum: torch.Tensor, inp: dict[str, torch.Tensor], st: SamplingTensors):
@@ -195,7 +193,7 @@ class TalkerRunner:
         return hidden, c0, logits
 
     @torch.inference_mode()
-    def decode(self, seqs: list[Sequence], frame_sum: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def decode(self, seqs: list[StepRow], frame_sum: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         inp = self.decode_inputs(seqs)
         st = talker_sampling(seqs, self.device)
         if self.graphs is not None:

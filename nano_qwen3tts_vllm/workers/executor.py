@@ -1,0 +1,157 @@
+"""The engine's side of the worker processes: start them with a real ready handshake, send each
+step over ZMQ PUSH/PULL, wait for the results with a timeout, and restart the workers after a
+failure (the engine has already failed the requests that were in flight)."""
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import zmq
+
+from ..config import EngineConfig
+from ..engine.sequence import StepRow
+from .protocol import make_socket, poll, recv, send
+
+logger = logging.getLogger(__name__)
+
+ROLES = ("talker", "predictor")
+
+
+class WorkerError(RuntimeError):
+    """A worker process died, failed or did not answer in time."""
+
+
+class MultiprocessExecutor:
+    def __init__(self, model_dir: str | Path, cfg: EngineConfig, talker_device: torch.device,
+                 predictor_device: torch.device, dtype: torch.dtype, step_timeout_s: float = 120.0,
+                 start_timeout_s: float = 900.0, max_restarts: int = 3):
+        self.model_dir, self.cfg, self.dtype = str(model_dir), cfg, dtype
+        self.devices = {"talker": str(talker_device), "predictor": str(predictor_device)}
+        self.step_timeout_s, self.start_timeout_s = step_timeout_s, start_timeout_s
+        self.restarts_left = max_restarts
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.broken = False
+        self._start()
+
+    # ---- life cycle -----------------------------------------------------------------------
+    def _start(self) -> None:
+        self.dir = tempfile.mkdtemp(prefix="nano-qwen3tts-")  # 0700: only this user can connect
+        addrs = {n: f"ipc://{self.dir}/{n}" for n in ("talker_in", "predictor_in", "results", "frames", "hidden")}
+        self.ctx = zmq.Context()
+        self.results = make_socket(self.ctx, zmq.PULL, addrs["results"], bind=True)
+        self.inbox = {r: make_socket(self.ctx, zmq.PUSH, addrs[f"{r}_in"], bind=True) for r in ROLES}
+        dtype = str(self.dtype).removeprefix("torch.")
+        for role in ROLES:
+            # a fresh interpreter per worker: no state inherited, and the caller's script is never re-imported
+            spec = Path(self.dir) / f"{role}.pkl"
+            spec.write_bytes(pickle.dumps(dict(role=role, model_dir=self.model_dir, cfg=self.cfg,
+                                               device=self.devices[role], dtype=dtype, addrs=addrs,
+                                               parent_pid=os.getpid(), peer_timeout_s=self.step_timeout_s)))
+            self.procs[role] = subprocess.Popen([sys.executable, "-m", "nano_qwen3tts_vllm.workers.worker", str(spec)])
+        ready = {}
+        deadline = time.monotonic() + self.start_timeout_s
+        while len(ready) < len(ROLES):
+            msg = self._next(deadline, "start")
+            if msg["op"] != "ready":
+                raise WorkerError(f"unexpected message while starting: {msg['op']}")
+            ready[msg["who"]] = msg
+        self.num_blocks = ready["talker"]["num_blocks"]
+        self.step, self.unsynced, self.broken = 0, 0, False
+        logger.info("workers ready (talker on %s, predictor on %s; pids %s)", self.devices["talker"],
+                    self.devices["predictor"], {r: p.pid for r, p in self.procs.items()})
+
+    def _stop(self, graceful: bool) -> None:
+        if graceful:
+            for sock in self.inbox.values():
+                try:
+                    send(sock, {"op": "shutdown", "step": -1})
+                except zmq.ZMQError:
+                    pass
+        for p in self.procs.values():
+            try:
+                p.wait(timeout=10 if graceful else 0.1)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(timeout=10)
+        self.ctx.destroy(linger=0)
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def is_alive(self) -> bool:
+        return not self.broken and all(p.poll() is None for p in self.procs.values())
+
+    def recover(self) -> None:
+        if self.is_alive():
+            return
+        if self.restarts_left <= 0:
+            raise WorkerError("workers failed too often; not restarting them again")
+        self.restarts_left -= 1
+        logger.warning("restarting the workers (%d restarts left)", self.restarts_left)
+        self._stop(graceful=False)
+        self._start()
+        if self.num_blocks < self.cfg.max_num_seqs:  # pragma: no cover - same config, same memory
+            raise WorkerError("the restarted talker has a smaller KV cache than before")
+
+    def shutdown(self) -> None:
+        if self.procs:
+            self._stop(graceful=True)
+            self.procs = {}
+
+    # ---- steps ----------------------------------------------------------------------------
+    def prefill(self, rows: list[StepRow]) -> list[int]:
+        self.step += 1
+        self._send("talker", {"op": "prefill", "step": self.step, "rows": rows})
+        self.unsynced += 1
+        return self._collect({"c0"})["c0"]["c0"]
+
+    def decode(self, rows: list[StepRow]) -> tuple[list[list[int]], list[int]]:
+        self.step += 1
+        self._send("predictor", {"op": "decode", "step": self.step, "rows": rows, "sync": self.unsynced})
+        self.unsynced = 0
+        self._send("talker", {"op": "decode", "step": self.step, "rows": rows})
+        self.unsynced += 1
+        got = self._collect({"codes", "c0"})
+        return got["codes"]["codes"], got["c0"]["c0"]
+
+    def _send(self, role: str, msg: dict) -> None:
+        if not self.is_alive():
+            raise WorkerError(f"the {role} worker is not running")
+        try:
+            send(self.inbox[role], msg)
+        except zmq.Again as e:
+            self.broken = True
+            raise WorkerError(f"the {role} worker does not take messages") from e
+
+    def _collect(self, ops: set[str]) -> dict[str, dict]:
+        deadline = time.monotonic() + self.step_timeout_s
+        got: dict[str, dict] = {}
+        while len(got) < len(ops):
+            msg = self._next(deadline, f"step {self.step}")
+            if msg.get("step") != self.step or msg["op"] not in ops:
+                self.broken = True
+                raise WorkerError(f"out-of-order message {msg['op']} for step {msg.get('step')} (at {self.step})")
+            got[msg["op"]] = msg
+        return got
+
+    def _next(self, deadline: float, what: str) -> dict:
+        """The next result message; raises WorkerError if a worker died, failed, or time ran out."""
+        while not poll(self.results, 100):
+            dead = [r for r, p in self.procs.items() if p.poll() is not None]
+            if dead:
+                self.broken = True
+                raise WorkerError(f"the {dead[0]} worker died (exit code {self.procs[dead[0]].returncode}) during {what}")
+            if time.monotonic() > deadline:
+                self.broken = True
+                raise WorkerError(f"no answer from the workers within the timeout during {what}")
+        msg, _ = recv(self.results)
+        if msg["op"] == "error":
+            self.broken = True
+            raise WorkerError(f"the {msg['who']} worker failed during {what}:\n{msg['error']}")
+        return msg

@@ -1,0 +1,105 @@
+"""The multiprocess engine (talker and predictor worker processes over ZMQ): same outputs as in-process,
+failed requests and a restart when a worker dies, and no orphan process."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import GREEDY
+from nano_qwen3tts_vllm.engine.engine_thread import EngineError
+
+KW = dict(speaker="vivian", language="english", max_new_tokens=20, **GREEDY)
+TEXTS = ["One two three.", "Four five six seven.", "Eight."]
+
+
+@pytest.fixture(scope="module")
+def mp_tts(ckpt):
+    from nano_qwen3tts_vllm import Qwen3TTSInterface
+    tts = Qwen3TTSInterface.from_pretrained(ckpt("tiny-random"), device="cpu", dtype=torch.float32, max_num_seqs=8,
+                                            max_model_len=512, multiprocess=True)
+    yield tts
+    tts.close()
+
+
+def pids(tts) -> list[int]:
+    return [p.pid for p in tts.engine.engine.executor.procs.values()]
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:  # a zombie is not alive
+        return f.read().split()[2] != "Z"
+
+
+def test_same_outputs_as_in_process(ckpt, ours, mp_tts):
+    local = ours(ckpt("tiny-random"))
+    for kw in (KW, dict(KW, do_sample=True, subtalker_dosample=True, seed=42)):
+        a, _ = local.generate_custom_voice(TEXTS, **kw)
+        b, _ = mp_tts.generate_custom_voice(TEXTS, **kw)
+        for x, y in zip(a, b):
+            np.testing.assert_array_equal(x, y)
+
+
+def test_killed_worker_fails_requests_then_workers_restart(mp_tts):
+    for role in ("talker", "predictor"):
+        stream = mp_tts.generate_custom_voice_streaming("A long one.", speaker="eric", max_new_tokens=400,
+                                                         chunk_size=1, first_chunk_size=1)
+        next(stream)
+        os.kill(mp_tts.engine.engine.executor.procs[role].pid, signal.SIGKILL)
+        with pytest.raises(EngineError, match=f"{role} worker died"):
+            for _ in stream:
+                pass
+        # the engine restarted its workers: it serves again and is healthy
+        wavs, _ = mp_tts.generate_custom_voice("After the restart.", **KW)
+        assert wavs[0].shape == (19 * 1920,)
+        assert mp_tts.stats()["alive"] == 1.0
+        bm = mp_tts.engine.engine.scheduler.block_manager
+        assert bm.num_free_blocks == bm.num_blocks
+
+
+def test_close_leaves_no_worker_behind(ckpt):
+    from nano_qwen3tts_vllm import Qwen3TTSInterface
+    tts = Qwen3TTSInterface.from_pretrained(ckpt("tiny-random"), device="cpu", dtype=torch.float32, max_num_seqs=2,
+                                            max_model_len=128, multiprocess=True)
+    workers = pids(tts)
+    tts.close()
+    assert not any(alive(p) for p in workers)
+
+
+def test_workers_exit_when_the_parent_is_killed(ckpt, tmp_path):
+    script = textwrap.dedent(f"""
+        import sys, time, torch
+        from nano_qwen3tts_vllm import Qwen3TTSInterface
+        tts = Qwen3TTSInterface.from_pretrained({ckpt("tiny-random")!r}, device="cpu", dtype=torch.float32,
+                                                max_num_seqs=2, max_model_len=128, multiprocess=True)
+        print("PIDS", *(p.pid for p in tts.engine.engine.executor.procs.values()), flush=True)
+        time.sleep(600)
+    """)
+    parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                              env=dict(os.environ, PYTHONPATH=os.getcwd()), text=True)
+    try:
+        line = ""
+        while not line.startswith("PIDS"):  # qwen-tts prints a banner on import
+            line = parent.stdout.readline()
+            assert line, "the parent exited before starting its workers"
+        workers = [int(p) for p in line.split()[1:]]
+        assert len(workers) == 2 and all(alive(p) for p in workers)
+        parent.kill()
+        parent.wait()
+        deadline = time.monotonic() + 20
+        while any(alive(p) for p in workers) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not any(alive(p) for p in workers)
+    finally:
+        parent.kill()
