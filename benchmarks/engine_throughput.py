@@ -21,6 +21,8 @@ def main() -> None:
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64])
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--multiprocess", action="store_true", help="talker and predictor in worker processes")
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
@@ -28,7 +30,9 @@ def main() -> None:
     from nano_qwen3tts_vllm import Qwen3TTSInterface
     t0 = time.perf_counter()
     tts = Qwen3TTSInterface.from_pretrained(args.model, dtype=getattr(torch, args.dtype),
-                                            max_num_seqs=max(args.batches), enforce_eager=args.enforce_eager)
+                                            max_num_seqs=max(args.batches), enforce_eager=args.enforce_eager,
+                                            multiprocess=args.multiprocess,
+                                            gpu_memory_utilization=args.gpu_memory_utilization)
     print(f"load + graph capture: {time.perf_counter() - t0:.1f} s")
     kw = dict(speaker="vivian", language="english", max_new_tokens=args.frames + 1, seed=0)
     text = "The quick brown fox jumps over the lazy dog, again and again, until the sun goes down."
@@ -56,7 +60,8 @@ def main() -> None:
                  per_stream_rtf=round(args.frames / FPS / wall, 2))
         results.append(r)
         print(json.dumps(r))
-    print(f"peak GPU memory: {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB")
+    if not args.multiprocess:
+        print(f"peak GPU memory (this process): {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

@@ -110,3 +110,20 @@ def test_graph_and_eager_agree_fp32(ckpt):
                                         enforce_eager=eager), device="cuda", dtype=torch.float32)
         frames[eager] = eng.generate([j.prompt for j in jobs], [dataclasses.replace(j.params) for j in jobs])
     assert frames[True] == frames[False]
+
+
+def test_multiprocess_workers_on_gpu_match_in_process(ckpt, gpu_models):
+    """The serving layout (talker and predictor processes, CUDA graphs in both) gives the same codes."""
+    from nano_qwen3tts_vllm import Qwen3TTSInterface
+    local = gpu_models("tiny-random")
+    mp_tts = Qwen3TTSInterface.from_pretrained(ckpt("tiny-random"), device="cuda", dtype=torch.float32, max_num_seqs=8,
+                                               max_model_len=512, num_kvcache_blocks=1024, multiprocess=True)
+    record_decode(mp_tts, mp_tts.speech_tokenizer)
+    try:
+        for kw in (GREEDY, dict(seed=9)):
+            a, _ = local.generate_custom_voice(TEXTS, speaker="vivian", language="english", max_new_tokens=30, **kw)
+            b, _ = mp_tts.generate_custom_voice(TEXTS, speaker="vivian", language="english", max_new_tokens=30, **kw)
+            for x, y in zip(local.codes, mp_tts.codes):
+                assert torch.equal(x.cpu(), y.cpu())
+    finally:
+        mp_tts.close()

@@ -48,6 +48,21 @@ class LLMEngine:
         self.scheduler = Scheduler(self.cfg, self.executor.num_blocks)
         self.seqs: dict[str, Sequence] = {}
         self._seed_rng = random.SystemRandom()
+        if self.device.type == "cuda":
+            self.warmup()
+
+    def warmup(self) -> None:
+        """Run a few throwaway requests so one-time work (kernel compilation for the prefill
+        shapes, allocator growth) happens now rather than in the first users' first audio."""
+        import numpy as np
+        g = self.model_cfg.num_code_groups
+
+        def prompt(n: int) -> Prompt:
+            return Prompt(text_ids=np.full(n, self.model_cfg.tts_pad_id, dtype=np.int64),
+                          codes=np.full((n, g), -1, dtype=np.int64), trailing_text_ids=[])
+        for batch in ([7], [5, 9, 12]):
+            params = [SamplingParams(max_new_tokens=3, seed=i, do_sample=i % 2 == 0) for i in range(len(batch))]
+            self.generate([prompt(n) for n in batch], params)
 
     @property
     def max_frames(self) -> int:

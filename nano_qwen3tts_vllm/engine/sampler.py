@@ -10,9 +10,12 @@ batch, on any device, and the whole sampler can live inside a CUDA graph.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
+
+from ..layers.fused import cuda_compiled
 
 _M32 = 0xFFFFFFFF
 
@@ -32,12 +35,22 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
+@functools.lru_cache(maxsize=8)
+def _column_hash(vocab: int, device: str) -> torch.Tensor:
+    # computed eagerly once: inside torch.compile an int32 arange would meet 32-bit constants
+    cols = torch.arange(vocab, device=device, dtype=torch.long)
+    return _mix32((cols + 0x9E3779B9) & _M32)
+
+
 def uniform_noise(seeds: torch.Tensor, counters: torch.Tensor, vocab: int) -> torch.Tensor:
     """[B, vocab] float32 in (0, 1), a pure function of (seed, counter, column)."""
+    return _noise(seeds, counters, _column_hash(vocab, str(seeds.device)))
+
+
+def _noise(seeds: torch.Tensor, counters: torch.Tensor, col_hash: torch.Tensor) -> torch.Tensor:
     s = seeds.long()
     key = _mix32((s & _M32) ^ _mix32(((s >> 32) & _M32) ^ _mix32(counters.long() & _M32)))
-    cols = torch.arange(vocab, device=seeds.device, dtype=torch.long)
-    bits = _mix32(key[:, None] ^ _mix32(cols + 0x9E3779B9 & _M32)[None, :])
+    bits = _mix32(key[:, None] ^ col_hash[None, :])
     # 23 bits + 0.5 is exact in float32, so u is strictly inside (0, 1) and -log(u) > 0
     return ((bits >> 9).float() + 0.5) * (1.0 / (1 << 23))
 
@@ -79,6 +92,7 @@ class SamplingTensors:
                     st_seeds=torch.tensor(0, dtype=torch.long, device=device))
 
 
+@cuda_compiled
 def apply_penalties(logits: torch.Tensor, seen: torch.Tensor, penalty: torch.Tensor,
                     block_eos: torch.Tensor, eos_id: int, suppress: torch.Tensor) -> torch.Tensor:
     """Talker-only processors. logits [B, V] fp32; seen [B, V] bool (generated before);
@@ -93,15 +107,19 @@ def apply_penalties(logits: torch.Tensor, seen: torch.Tensor, penalty: torch.Ten
 
 def warp(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
     """Temperature, then top-k (ties at the k-th value kept), then top-p (as transformers)."""
+    return _warp(logits, st.temperature, st.top_k, st.top_p)
+
+
+def _warp(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     V = logits.shape[-1]
-    logits = logits / st.temperature[:, None]
+    logits = logits / temperature[:, None]
     sorted_logits, sorted_idx = logits.sort(dim=-1)                          # ascending
-    k = torch.where(st.top_k > 0, st.top_k.clamp(max=V), torch.full_like(st.top_k, V))
+    k = torch.where(top_k > 0, top_k.clamp(max=V), torch.full_like(top_k, V))
     kth = sorted_logits.gather(1, (V - k)[:, None])
     logits = logits.masked_fill(logits < kth, float("-inf"))
     sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
     cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
-    remove = cum <= (1 - st.top_p)[:, None]
+    remove = cum <= (1 - top_p)[:, None]
     remove[:, -1] = False
     remove = remove.scatter(1, sorted_idx, remove)
     return logits.masked_fill(remove, float("-inf"))
@@ -109,8 +127,14 @@ def warp(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
 
 def sample(logits: torch.Tensor, st: SamplingTensors, counters: torch.Tensor) -> torch.Tensor:
     """logits [B, V] fp32 after penalties -> token ids [B] (int64)."""
+    col_hash = _column_hash(logits.shape[-1], str(logits.device))
+    return _sample(logits, st.do_sample, st.temperature, st.top_k, st.top_p, st.seeds, counters, col_hash)
+
+
+@cuda_compiled
+def _sample(logits, do_sample, temperature, top_k, top_p, seeds, counters, col_hash) -> torch.Tensor:
     greedy = logits.argmax(dim=-1)
-    probs = warp(logits, st).softmax(dim=-1)
-    exp_noise = -torch.log(uniform_noise(st.seeds, counters, logits.shape[-1]))
+    probs = _warp(logits, temperature, top_k, top_p).softmax(dim=-1)
+    exp_noise = -torch.log(_noise(seeds, counters, col_hash))
     sampled = (probs / exp_noise).argmax(dim=-1)   # exponential race == categorical draw
-    return torch.where(st.do_sample, sampled, greedy)
+    return torch.where(do_sample, sampled, greedy)

@@ -1,6 +1,8 @@
 import torch
 from torch import nn
 
+from .fused import rms_norm
+
 
 class RMSNorm(nn.Module):
     """Qwen3 RMSNorm: normalise in fp32, cast back, then scale (same op order as upstream)."""
@@ -11,7 +13,4 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(dtype)
+        return rms_norm(x, self.weight, self.eps)

@@ -1,10 +1,7 @@
 import torch
 from torch import nn
 
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
+from .fused import rope
 
 
 class RotaryEmbedding(nn.Module):
@@ -24,6 +21,4 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """q, k: [..., tokens, heads, head_dim]; positions: [..., tokens]."""
-        cos = self.cos[positions].to(q.dtype).unsqueeze(-2)
-        sin = self.sin[positions].to(q.dtype).unsqueeze(-2)
-        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+        return rope(q, k, self.cos[positions].to(q.dtype), self.sin[positions].to(q.dtype))

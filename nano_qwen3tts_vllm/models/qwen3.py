@@ -6,10 +6,10 @@ checkpoint's separate q/k/v and gate/up weights into them.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..config import DecoderConfig
+from ..layers.fused import add_rms_norm, silu_and_mul
 from ..layers.layernorm import RMSNorm
 from ..layers.rotary import RotaryEmbedding
 
@@ -45,8 +45,7 @@ class Qwen3MLP(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class Qwen3DecoderLayer(nn.Module):
@@ -58,8 +57,10 @@ class Qwen3DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, positions: torch.Tensor, h: torch.Tensor, meta) -> torch.Tensor:
-        h = h + self.self_attn(positions, self.input_layernorm(h), meta)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        attn = self.self_attn(positions, self.input_layernorm(h), meta)
+        norm = self.post_attention_layernorm
+        h, x = add_rms_norm(attn, h, norm.weight, norm.eps)
+        return h + self.mlp(x)
 
 
 class Qwen3Decoder(nn.Module):

@@ -43,26 +43,27 @@ class MultiprocessExecutor:
 
     # ---- life cycle -----------------------------------------------------------------------
     def _start(self) -> None:
+        self.procs = {}
         self.dir = tempfile.mkdtemp(prefix="nano-qwen3tts-")  # 0700: only this user can connect
         addrs = {n: f"ipc://{self.dir}/{n}" for n in ("talker_in", "predictor_in", "results", "frames", "hidden")}
         self.ctx = zmq.Context()
         self.results = make_socket(self.ctx, zmq.PULL, addrs["results"], bind=True)
         self.inbox = {r: make_socket(self.ctx, zmq.PUSH, addrs[f"{r}_in"], bind=True) for r in ROLES}
         dtype = str(self.dtype).removeprefix("torch.")
-        for role in ROLES:
+        deadline = time.monotonic() + self.start_timeout_s
+        ready = {}
+        # predictor first: the talker sizes its KV cache from the memory left once the predictor is loaded
+        for role in ("predictor", "talker"):
             # a fresh interpreter per worker: no state inherited, and the caller's script is never re-imported
             spec = Path(self.dir) / f"{role}.pkl"
             spec.write_bytes(pickle.dumps(dict(role=role, model_dir=self.model_dir, cfg=self.cfg,
                                                device=self.devices[role], dtype=dtype, addrs=addrs,
                                                parent_pid=os.getpid(), peer_timeout_s=self.step_timeout_s)))
             self.procs[role] = subprocess.Popen([sys.executable, "-m", "nano_qwen3tts_vllm.workers.worker", str(spec)])
-        ready = {}
-        deadline = time.monotonic() + self.start_timeout_s
-        while len(ready) < len(ROLES):
-            msg = self._next(deadline, "start")
-            if msg["op"] != "ready":
-                raise WorkerError(f"unexpected message while starting: {msg['op']}")
-            ready[msg["who"]] = msg
+            msg = self._next(deadline, f"the {role} worker's start")
+            if msg["op"] != "ready" or msg["who"] != role:
+                raise WorkerError(f"unexpected message while starting the {role} worker: {msg['op']}")
+            ready[role] = msg
         self.num_blocks = ready["talker"]["num_blocks"]
         self.step, self.unsynced, self.broken = 0, 0, False
         logger.info("workers ready (talker on %s, predictor on %s; pids %s)", self.devices["talker"],
