@@ -35,12 +35,13 @@ def test_stream_chunks_join_to_the_one_shot_audio(cv):
 
 def test_stream_with_short_left_context_is_close(cv):
     """Shorter context (upstream's chunked decode uses 25) trades a little accuracy for speed."""
-    from nano_qwen3tts_vllm.api.audio import StreamingDecoder
+    from nano_qwen3tts_vllm.api.audio import StreamingDecoder, decode_windows
     full, _ = cv.generate_custom_voice("A fairly long sentence to give the decoder enough frames.", **KW)
     frames = cv.codes[0].tolist()
-    dec = StreamingDecoder(cv.speech_tokenizer.model, chunk_size=6, first_chunk_size=6, left_context=25)
-    pieces = [c for c in (dec.push(f) for f in frames) if c is not None] + [dec.flush()]
-    audio = np.concatenate([p for p in pieces if p is not None])
+    dec = StreamingDecoder(1920, chunk_size=6, first_chunk_size=6, left_context=25)
+    windows = [w for w in (dec.push(f) for f in frames) if w is not None] + [dec.flush()]
+    windows = [w for w in windows if w is not None]
+    audio = np.concatenate(decode_windows(cv.speech_tokenizer.model, windows))  # one batch, mixed lengths
     assert audio.shape == full[0].shape
     assert snr_db(full[0], audio) > 20
 
@@ -104,3 +105,17 @@ def test_many_threads_share_one_instance(cv):
     assert not errors and len(results) == len(texts)
     for t in texts[:3]:
         np.testing.assert_array_equal(results[t], alone[t])
+
+
+def test_batched_windows_equal_single_decodes(cv):
+    """Right padding in a mixed-length batch cannot change a causal decoder's samples."""
+    from nano_qwen3tts_vllm.api.audio import DecodeWindow, decode_windows
+    cv.generate_custom_voice("Enough frames for a few windows of different lengths.", **KW)
+    frames = cv.codes[0].tolist()
+    windows = [DecodeWindow(frames[:5], 0, 5 * 1920), DecodeWindow(frames[3:30], 2 * 1920, 27 * 1920),
+               DecodeWindow(frames[:39], 30 * 1920, 39 * 1920)]
+    together = decode_windows(cv.speech_tokenizer.model, windows)
+    for w, got in zip(windows, together):
+        alone = decode_windows(cv.speech_tokenizer.model, [w])[0]
+        assert got.shape == alone.shape == ((w.end - w.start),)
+        np.testing.assert_allclose(got, alone, atol=1e-5)

@@ -24,7 +24,7 @@ from ..engine.llm_engine import LLMEngine
 from ..engine.sequence import Prompt
 from ..models.prompt import build_prompt
 from ..sampling_params import SamplingParams
-from .audio import StreamingDecoder, load_audio
+from .audio import DecodeWindow, StreamingDecoder, decode_windows, load_audio
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +74,7 @@ def resolve_model_dir(model: str) -> Path:
 
 class Qwen3TTSInterface:
     def __init__(self, model_dir: Path, engine_thread: EngineThread, processor, speech_tokenizer,
-                 speaker_encoder, generate_defaults: dict, model_cfg: ModelConfig, device, dtype):
+                 speaker_encoder, generate_defaults: dict, model_cfg: ModelConfig, device, dtype, codec_worker=None):
         self.model_dir = model_dir
         self.engine = engine_thread
         self.processor = processor
@@ -83,19 +83,23 @@ class Qwen3TTSInterface:
         self.generate_defaults = generate_defaults
         self.model_cfg = model_cfg
         self.device, self.dtype = device, dtype
+        self.codec_worker = codec_worker  # batched streaming decode in its own process, or None (in this process)
 
     # ---- construction ---------------------------------------------------------------------
     @classmethod
     def from_pretrained(cls, model: str, device: str | torch.device | None = None,
                         dtype: torch.dtype | None = None, engine_config: EngineConfig | None = None,
                         multiprocess: bool = False, talker_device: str | None = None,
-                        predictor_device: str | None = None, **engine_kwargs) -> "Qwen3TTSInterface":
+                        predictor_device: str | None = None, codec_worker: bool | None = None,
+                        **engine_kwargs) -> "Qwen3TTSInterface":
         """Load a checkpoint directory, hub id, or a built-in name such as "tiny-random".
 
         Defaults: CUDA in bf16 when available, else CPU in fp32. Engine settings
         (max_num_seqs, max_model_len, enforce_eager, gpu_memory_utilization, ...) may be given
         as keywords or as an EngineConfig. `multiprocess=True` runs the talker and the code
-        predictor in two worker processes (the serving layout), optionally on different devices.
+        predictor in two worker processes (the serving layout), optionally on different devices,
+        and (unless codec_worker=False) streaming audio decodes in a codec worker process that
+        batches the chunks of all streams.
         """
         from qwen_tts import Qwen3TTSTokenizer
         from qwen_tts.core.models import Qwen3TTSConfig, Qwen3TTSProcessor
@@ -103,6 +107,13 @@ class Qwen3TTSInterface:
 
         model_dir = resolve_model_dir(model)
         cfg = engine_config or EngineConfig(**engine_kwargs)
+        device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+        codec = None
+        if multiprocess if codec_worker is None else codec_worker:
+            from ..workers.codec_worker import CodecWorkerClient
+            # first: the talker sizes its KV cache from the GPU memory left after the other workers load
+            codec = CodecWorkerClient(model_dir, talker_device or str(device), dtype)
         engine = LLMEngine(model_dir, cfg, device=device, dtype=dtype, multiprocess=multiprocess,
                            talker_device=talker_device, predictor_device=predictor_device)
         AutoConfig.register("qwen3_tts", Qwen3TTSConfig, exist_ok=True)
@@ -116,10 +127,12 @@ class Qwen3TTSInterface:
         gen_path = model_dir / "generation_config.json"
         defaults = json.loads(gen_path.read_text()) if gen_path.is_file() else {}
         return cls(model_dir, EngineThread(engine), processor, speech_tokenizer, speaker_encoder, defaults,
-                   engine.model_cfg, engine.device, engine.dtype)
+                   engine.model_cfg, engine.device, engine.dtype, codec)
 
     def close(self) -> None:
         self.engine.shutdown()
+        if self.codec_worker is not None:
+            self.codec_worker.close()
 
     def __enter__(self):
         return self
@@ -205,7 +218,8 @@ class Qwen3TTSInterface:
         return dict(running=len(eng.scheduler.running), waiting=len(eng.scheduler.waiting),
                     kv_blocks_total=bm.num_blocks, kv_blocks_free=bm.num_free_blocks,
                     kv_usage=1 - bm.num_free_blocks / bm.num_blocks, preemptions=eng.scheduler.num_preemptions,
-                    max_num_seqs=eng.cfg.max_num_seqs, alive=float(self.engine.is_alive()))
+                    max_num_seqs=eng.cfg.max_num_seqs,
+                    alive=float(self.engine.is_alive() and (self.codec_worker is None or self.codec_worker.is_alive())))
 
     # ---- asyncio --------------------------------------------------------------------------
     async def agenerate_custom_voice(self, text, speaker, language=None, instruct=None,
@@ -440,38 +454,48 @@ class Qwen3TTSInterface:
             out.append(wav)
         return out, sr
 
+    def _streaming_decoder(self, job: TTSRequest, chunk_size: int, first_chunk_size: int) -> StreamingDecoder:
+        context = job.ref_codes.tolist() if job.ref_codes is not None else None  # ICL: decode context, not emitted
+        return StreamingDecoder(self.speech_tokenizer.get_decode_upsample_rate(), chunk_size, first_chunk_size,
+                                context=context)
+
+    def _decode_window(self, window: DecodeWindow) -> np.ndarray:
+        if self.codec_worker is not None:
+            return self.codec_worker.submit(window).result()
+        return decode_windows(self.speech_tokenizer.model, [window])[0]
+
+    async def _adecode_window(self, window: DecodeWindow) -> np.ndarray:
+        if self.codec_worker is not None:
+            return await asyncio.wrap_future(self.codec_worker.submit(window))
+        return (await asyncio.to_thread(decode_windows, self.speech_tokenizer.model, [window]))[0]
+
     def _stream(self, job: TTSRequest, chunk_size: int, first_chunk_size: int) -> Iterator[np.ndarray]:
-        dec = StreamingDecoder(self.speech_tokenizer.model, chunk_size, first_chunk_size)
+        dec = self._streaming_decoder(job, chunk_size, first_chunk_size)
         stream = self._submit([job])[0]
         try:
-            if job.ref_codes is not None:  # decode context only: its audio is not emitted
-                dec.frames = job.ref_codes.tolist()
-                dec.emitted = len(dec.frames)
             for frame in stream:
-                chunk = dec.push(frame)
-                if chunk is not None:
-                    yield chunk
-            chunk = dec.flush()
-            if chunk is not None:
-                yield chunk
+                window = dec.push(frame)
+                if window is not None:
+                    yield self._decode_window(window)
+            window = dec.flush()
+            if window is not None:
+                yield self._decode_window(window)
         finally:
             if stream.finish_reason is None:
                 stream.abort()
 
     async def _astream(self, job: TTSRequest, chunk_size: int, first_chunk_size: int) -> AsyncIterator[np.ndarray]:
-        dec = StreamingDecoder(self.speech_tokenizer.model, chunk_size, first_chunk_size)
+        """Decoding never runs on the event loop: a worker thread, or the batched codec worker."""
+        dec = self._streaming_decoder(job, chunk_size, first_chunk_size)
         stream = self._submit([job], loop=asyncio.get_running_loop())[0]
         try:
-            if job.ref_codes is not None:
-                dec.frames = job.ref_codes.tolist()
-                dec.emitted = len(dec.frames)
             async for frame in stream.aiter():
-                chunk = await asyncio.to_thread(dec.push, frame)  # decoding stays off the event loop
-                if chunk is not None:
-                    yield chunk
-            chunk = await asyncio.to_thread(dec.flush)
-            if chunk is not None:
-                yield chunk
+                window = dec.push(frame)
+                if window is not None:
+                    yield await self._adecode_window(window)
+            window = dec.flush()
+            if window is not None:
+                yield await self._adecode_window(window)
         finally:
             if stream.finish_reason is None:
                 stream.abort()

@@ -5,10 +5,8 @@ from __future__ import annotations
 
 import logging
 import os
-import pickle
 import shutil
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -18,7 +16,7 @@ import zmq
 
 from ..config import EngineConfig
 from ..engine.sequence import StepRow
-from .protocol import make_socket, poll, recv, send
+from .protocol import launch, make_socket, poll, recv, send
 
 logger = logging.getLogger(__name__)
 
@@ -54,12 +52,9 @@ class MultiprocessExecutor:
         ready = {}
         # predictor first: the talker sizes its KV cache from the memory left once the predictor is loaded
         for role in ("predictor", "talker"):
-            # a fresh interpreter per worker: no state inherited, and the caller's script is never re-imported
-            spec = Path(self.dir) / f"{role}.pkl"
-            spec.write_bytes(pickle.dumps(dict(role=role, model_dir=self.model_dir, cfg=self.cfg,
-                                               device=self.devices[role], dtype=dtype, addrs=addrs,
-                                               parent_pid=os.getpid(), peer_timeout_s=self.step_timeout_s)))
-            self.procs[role] = subprocess.Popen([sys.executable, "-m", "nano_qwen3tts_vllm.workers.worker", str(spec)])
+            spec = dict(role=role, model_dir=self.model_dir, cfg=self.cfg, device=self.devices[role], dtype=dtype,
+                        addrs=addrs, parent_pid=os.getpid(), peer_timeout_s=self.step_timeout_s)
+            self.procs[role] = launch("nano_qwen3tts_vllm.workers.worker", spec, Path(self.dir) / f"{role}.pkl")
             msg = self._next(deadline, f"the {role} worker's start")
             if msg["op"] != "ready" or msg["who"] != role:
                 raise WorkerError(f"unexpected message while starting the {role} worker: {msg['op']}")

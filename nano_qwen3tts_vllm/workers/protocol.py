@@ -5,6 +5,9 @@ can connect; that is what makes pickled headers acceptable here."""
 from __future__ import annotations
 
 import pickle
+import subprocess
+import sys
+from pathlib import Path
 
 import torch
 import zmq
@@ -41,3 +44,10 @@ def recv(sock: zmq.Socket) -> tuple[dict, list[torch.Tensor]]:
 
 def poll(sock: zmq.Socket, timeout_ms: int) -> bool:
     return bool(sock.poll(timeout_ms, zmq.POLLIN))
+
+
+def launch(module: str, spec: dict, spec_path: Path) -> subprocess.Popen:
+    """Start `python -m module spec_path` with its arguments pickled in the private directory: a fresh
+    interpreter, so nothing is inherited and the caller's script is never re-imported (as spawn would)."""
+    spec_path.write_bytes(pickle.dumps(spec))
+    return subprocess.Popen([sys.executable, "-m", module, str(spec_path)])
