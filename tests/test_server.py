@@ -5,6 +5,7 @@ import asyncio
 import base64
 import io
 import json
+import os
 import re
 import socket
 import struct
@@ -54,10 +55,15 @@ class ServerThread:
         self.sock.close()
 
 
+# NANO_QWEN3TTS_TEST_DEVICE=cuda runs the same server tests on a GPU (fp32, CUDA graphs)
+DEVICE = os.environ.get("NANO_QWEN3TTS_TEST_DEVICE", "cpu")
+
+
 def load(name: str, max_num_seqs: int = 48):
     from nano_qwen3tts_vllm import Qwen3TTSInterface
-    return Qwen3TTSInterface.from_pretrained(name, device="cpu", dtype=torch.float32, max_num_seqs=max_num_seqs,
-                                             max_model_len=256)
+    extra = dict(num_kvcache_blocks=2048) if DEVICE != "cpu" else {}
+    return Qwen3TTSInterface.from_pretrained(name, device=DEVICE, dtype=torch.float32, max_num_seqs=max_num_seqs,
+                                             max_model_len=256, **extra)
 
 
 @pytest.fixture(scope="module")
@@ -608,7 +614,8 @@ def test_cli_serves_and_stops_on_sigterm(tmp_path):
     log = open(tmp_path / "server.log", "w+")
     proc = subprocess.Popen([sys.executable, "-m", "nano_qwen3tts_vllm.serve", "--model", "tiny-random", "--port",
                              str(port), "--max-num-seqs", "4", "--max-model-len", "256", "--dtype", "float32",
-                             "--device", "cpu", "--served-model-name", "tts-1", "--api-key", "sk-cli"],
+                             "--device", DEVICE, "--served-model-name", "tts-1", "--api-key", "sk-cli"]
+                            + (["--gpu-memory-utilization", "0.3"] if DEVICE != "cpu" else []),
                             stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1"))
     try:
         deadline = time.monotonic() + 120
