@@ -600,6 +600,42 @@ def test_health_and_metrics(cv):
         assert r.status_code == 503 and r.json()["error"]["code"] == "engine_unavailable"
 
 
+def test_killed_worker_fails_the_stream_then_the_server_recovers():
+    """Worker processes behind the server: kill the talker mid-stream; that stream ends early (its
+    200 was already sent), /health reports the engine down while it restarts, then the server serves again."""
+    import os
+    import signal
+    from nano_qwen3tts_vllm import Qwen3TTSInterface
+    tts = Qwen3TTSInterface.from_pretrained("tiny-random", device=DEVICE, dtype=torch.float32, max_num_seqs=4,
+                                            max_model_len=512, multiprocess=True)
+    try:
+        with ServerThread(create_app(tts, ServerSettings(served_model_names=["m"]))) as srv:
+            body = dict(model="m", input="A long stream that will be cut.", voice="vivian", response_format="pcm",
+                        max_new_tokens=400, **GREEDY)
+            received, broken = 0, False
+            with httpx.stream("POST", f"{srv.url}/v1/audio/speech", json=body, timeout=120) as r:
+                assert r.status_code == 200
+                chunks = r.iter_bytes()
+                received += len(next(chunks))
+                os.kill(tts.engine.engine.executor.procs["talker"].pid, signal.SIGKILL)
+                try:
+                    for chunk in chunks:
+                        received += len(chunk)
+                except httpx.HTTPError:
+                    broken = True
+            assert broken or received < 399 * FRAME_BYTES, "the cut stream must not look complete"
+            deadline = time.monotonic() + 120
+            while httpx.get(f"{srv.url}/health").status_code != 200:
+                assert time.monotonic() < deadline, "the workers did not come back"
+                time.sleep(0.5)
+            r = speak(srv, model="m", input="Back again.", voice="vivian", response_format="pcm",
+                      max_new_tokens=10, **GREEDY)
+            assert r.status_code == 200 and len(r.content) == 9 * FRAME_BYTES
+            assert_idle(tts)
+    finally:
+        tts.close()
+
+
 # ---- the command line -----------------------------------------------------------------------
 
 def test_cli_serves_and_stops_on_sigterm(tmp_path):
