@@ -582,6 +582,10 @@ def test_api_key(cv):
 
 def test_health_and_metrics(cv):
     assert httpx.get(cv.url + "/health").json() == {"status": "ok"}
+    # one good and one bad request of its own, so the counters below never depend on other tests
+    assert speak(cv, model="tts-1", input="Counted.", voice="vivian", response_format="pcm", max_new_tokens=4,
+                 **GREEDY).status_code == 200
+    assert speak(cv, model="tts-1", input="", voice="vivian").status_code == 400
     r = httpx.get(cv.url + "/metrics")
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
     text = r.text
