@@ -12,7 +12,7 @@ import logging
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, AsyncIterator, Iterator
+from typing import AsyncIterator, Iterator
 
 import numpy as np
 import torch
@@ -203,7 +203,8 @@ class Qwen3TTSInterface:
                                           voice_clone_prompt, nsm, gen)[0]
         raise ValueError(f"task_type must be CustomVoice, VoiceDesign or Base; got {task_type!r}")
 
-    def stream_request(self, request: TTSRequest, chunk_size: int = 12, first_chunk_size: int = 4) -> Iterator[np.ndarray]:
+    def stream_request(self, request: TTSRequest, chunk_size: int = 12,
+                       first_chunk_size: int = 4) -> Iterator[np.ndarray]:
         return self._stream(request, chunk_size, first_chunk_size)
 
     def astream_request(self, request: TTSRequest, chunk_size: int = 12,

@@ -142,7 +142,8 @@ class MultiprocessExecutor:
             dead = [r for r, p in self.procs.items() if p.poll() is not None]
             if dead:
                 self.broken = True
-                raise WorkerError(f"the {dead[0]} worker died (exit code {self.procs[dead[0]].returncode}) during {what}")
+                code = self.procs[dead[0]].returncode
+                raise WorkerError(f"the {dead[0]} worker died (exit code {code}) during {what}")
             if time.monotonic() > deadline:
                 self.broken = True
                 raise WorkerError(f"no answer from the workers within the timeout during {what}")
