@@ -41,7 +41,6 @@ ADDED_TOKENS = [
     ("<tts_pad>", True), ("<tts_text_bos>", True), ("<tts_text_eod>", True), ("<tts_text_bos_single>", True),
     ("<|audio_pad|>", True),
 ]
-FIRST_ADDED_ID = 151643
 TEXT_VOCAB_SIZE = 151936
 
 CODEC_SPECIAL_IDS = dict(codec_pad_id=2148, codec_bos_id=2149, codec_eos_token_id=2150, codec_think_id=2154,

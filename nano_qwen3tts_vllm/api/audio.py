@@ -11,8 +11,6 @@ from urllib.parse import urlparse
 import numpy as np
 import torch
 
-AudioLike = "str | tuple[np.ndarray, int]"
-
 
 def _is_url(s: str) -> bool:
     u = urlparse(s)

@@ -12,12 +12,10 @@ class Block:
     def __init__(self, block_id: int):
         self.block_id = block_id
         self.ref_count = 0
-        self.hash = -1
-        self.content = b""
+        self.content = b""  # a hashed prompt block's content, checked on a hash hit
 
     def reset(self) -> None:
         self.ref_count = 1
-        self.hash = -1
         self.content = b""
 
 
@@ -90,7 +88,7 @@ class BlockManager:
                 else:
                     block = self._allocate_block(block_id)
             if h != -1:
-                block.hash, block.content = h, content
+                block.content = content
                 self.hash_to_block_id[h] = block.block_id
             seq.block_table.append(block.block_id)
 
