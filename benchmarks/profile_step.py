@@ -18,6 +18,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=50)
     args = ap.parse_args()
     from nano_qwen3tts_vllm import Qwen3TTSInterface
+    from nano_qwen3tts_vllm.engine.sequence import decode_batch
     tts = Qwen3TTSInterface.from_pretrained(args.model, max_num_seqs=max(args.batch))
     eng = tts.engine.engine
     tts.engine.shutdown()  # drive the engine directly, on this thread
@@ -27,7 +28,12 @@ def main() -> None:
                                       dict(max_new_tokens=args.steps + 20, seed=0))
         for j in jobs:
             eng.add_request(j.prompt, j.params)
+        torch.cuda.synchronize()
+        t = time.perf_counter()
         eng.step()  # prefill
+        torch.cuda.synchronize()
+        print(f"batch {bs}: prefill {(time.perf_counter() - t) * 1000:.2f} ms "
+              f"({sum(len(j.prompt) for j in jobs)} positions)")
         for _ in range(3):
             eng.step()
         acc = defaultdict(float)
@@ -38,17 +44,17 @@ def main() -> None:
             seqs, is_prefill = eng.scheduler.schedule()
             assert not is_prefill
             ex = eng.executor
-            rows = [s.step_row(prefill=False) for s in seqs]
-            slots = torch.tensor([s.slot for s in seqs], device=eng.device)
+            batch = decode_batch(seqs)
+            slots = torch.from_numpy(batch.slots).to(eng.device)
             hidden = ex.hidden[slots]
             sync(); t1 = time.perf_counter()
-            codes, frame_sum = ex.predictor.run(rows, hidden)
+            codes, frame_sum = ex.predictor.run(batch, hidden)
             sync(); t2 = time.perf_counter()
             frames = codes.tolist()
             for s, f in zip(seqs, frames):
                 s.frames.append(f)
             t3 = time.perf_counter()
-            h, c0 = ex.talker.decode(rows, frame_sum)
+            h, c0 = ex.talker.decode(batch, frame_sum)
             sync(); t4 = time.perf_counter()
             ex.hidden[slots] = h
             for s, tok in zip(seqs, c0.tolist()):

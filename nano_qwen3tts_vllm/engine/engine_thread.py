@@ -10,6 +10,8 @@ import itertools
 import logging
 import queue
 import threading
+import time
+from dataclasses import dataclass, field
 from typing import Iterator
 
 from ..sampling_params import SamplingParams
@@ -17,6 +19,7 @@ from .llm_engine import LLMEngine, StepOutput
 from .sequence import Prompt
 
 logger = logging.getLogger(__name__)
+FRAMES_PER_SECOND = 12.5
 
 
 class EngineError(RuntimeError):
@@ -72,6 +75,32 @@ class RequestStream:
         self._engine.abort(self.request_id)
 
 
+@dataclass
+class StepStats:
+    """Engine activity since the last report, logged every `every_s` seconds while busy."""
+    every_s: float = 10.0
+    since: float = field(default_factory=time.monotonic)
+    steps: int = 0
+    frames: int = 0
+    busy_s: float = 0.0
+
+    def record(self, seconds: float, outputs: list[StepOutput]) -> None:
+        self.steps += 1
+        self.busy_s += seconds
+        self.frames += sum(out.frame is not None for out in outputs)
+        wall = time.monotonic() - self.since
+        if wall >= self.every_s:
+            logger.info("engine: %.1f steps/s, %.0f frames/s (%.1fx real time), %.2f ms per step, busy %.0f%%",
+                        self.steps / wall, self.frames / wall, self.frames / wall / FRAMES_PER_SECOND,
+                        1000 * self.busy_s / self.steps, 100 * self.busy_s / wall)
+            self.since, self.steps, self.frames, self.busy_s = time.monotonic(), 0, 0, 0.0
+
+
+def _put_all(items: list[tuple[asyncio.Queue, StepOutput]]) -> None:
+    for q, out in items:
+        q.put_nowait(out)
+
+
 class EngineThread:
     def __init__(self, engine: LLMEngine):
         self.engine = engine
@@ -79,6 +108,7 @@ class EngineThread:
         self._streams: dict[str, RequestStream] = {}
         self._ids = itertools.count()
         self._stopped = False
+        self.stats = StepStats()
         self._thread = threading.Thread(target=self._loop, name="nano-qwen3tts-engine", daemon=True)
         self._thread.start()
 
@@ -136,19 +166,37 @@ class EngineThread:
             if not self.engine.has_unfinished():
                 continue
             try:
+                t0 = time.monotonic()
                 outputs = self.engine.step()
+                self.stats.record(time.monotonic() - t0, outputs)
             except Exception as e:  # noqa: BLE001
                 logger.exception("engine step failed; failing the requests in flight")
                 self._fail_all(EngineError(f"engine step failed: {e!r}"))
                 self._recover()
                 continue
-            for out in outputs:
-                stream = self._streams.get(out.request_id)
-                if stream is not None:
-                    stream._put(out)
-                    if out.finished:
-                        del self._streams[out.request_id]
+            self._deliver(outputs)
         self._fail_all(EngineError("the engine was shut down"))
+
+    def _deliver(self, outputs: list[StepOutput]) -> None:
+        """One wake-up per event loop per step, not one per stream: with many streams on one server
+        loop, per-item call_soon_threadsafe calls cost the engine thread GIL time every step."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, StepOutput]]] = {}
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:
+                continue
+            if out.finished:
+                del self._streams[out.request_id]
+            if stream._async is None:
+                stream._queue.put(out)
+            else:
+                loop, q = stream._async
+                by_loop.setdefault(loop, []).append((q, out))
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:  # the loop was closed: its streams have no reader any more
+                logger.debug("dropping %d outputs for a closed event loop", len(items))
 
     def _recover(self) -> None:
         try:

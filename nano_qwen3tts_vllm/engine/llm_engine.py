@@ -12,7 +12,7 @@ from ..config import EngineConfig, ModelConfig
 from ..sampling_params import SamplingParams
 from .executor import InProcessExecutor
 from .scheduler import Scheduler
-from .sequence import Prompt, Sequence
+from .sequence import Prompt, Sequence, decode_batch
 
 logger = logging.getLogger(__name__)
 
@@ -106,7 +106,7 @@ class LLMEngine:
         return self._decode(seqs)
 
     def _prefill(self, seqs: list[Sequence]) -> list[StepOutput]:
-        c0 = self.executor.prefill([s.step_row(prefill=True) for s in seqs])
+        c0 = self.executor.prefill([s.prefill_row() for s in seqs])
         outputs = []
         for seq, tok in zip(seqs, c0):
             if tok >= 0:  # -1: a re-prefilled (preempted) sequence keeps the c0 it had
@@ -116,9 +116,9 @@ class LLMEngine:
         return outputs
 
     def _decode(self, seqs: list[Sequence]) -> list[StepOutput]:
-        codes, c0 = self.executor.decode([s.step_row(prefill=False) for s in seqs])
+        codes, c0 = self.executor.decode(decode_batch(seqs))
         outputs = []
-        for seq, frame, tok in zip(seqs, codes, c0):
+        for seq, frame, tok in zip(seqs, codes.tolist(), c0.tolist()):
             seq.frames.append(frame)
             out = StepOutput(seq.request_id, frame, False)
             done = self._append_c0(seq, tok)

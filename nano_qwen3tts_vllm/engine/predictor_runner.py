@@ -11,14 +11,14 @@ from ..layers.attention import DenseAttention, DenseMetadata
 from ..models.loader import load_weights
 from ..models.predictor import CodePredictor
 from .cuda_graphs import GraphPool
-from .sampler import SamplingTensors, sample
-from .sequence import StepRow
+from .sampler import SamplingTensors, SlotSettings, sample
+from .sequence import NUM_FRAMES, PENDING_C0, SLOT, DecodeBatch, PrefillRow
 
 
-def predictor_sampling(seqs: list[StepRow], device) -> SamplingTensors:
-    return SamplingTensors.build([(s.params.subtalker_dosample,
-                                   s.params.subtalker_temperature if s.params.subtalker_dosample else 1.0,
-                                   s.params.subtalker_top_k, s.params.subtalker_top_p, s.seed) for s in seqs], device)
+def predictor_settings(row: PrefillRow) -> dict:
+    p = row.params
+    return dict(do_sample=p.subtalker_dosample, temperature=p.subtalker_temperature if p.subtalker_dosample else 1.0,
+                top_k=p.subtalker_top_k, top_p=p.subtalker_top_p, seeds=row.seed)
 
 
 class PredictorRunner:
@@ -35,9 +35,14 @@ class PredictorRunner:
         layers = [m for m in self.model.modules() if isinstance(m, DenseAttention)]
         for i, layer in enumerate(layers):
             layer.k_cache, layer.v_cache = self.kv_cache[i, 0], self.kv_cache[i, 1]
+        self.settings = SlotSettings(cfg.max_num_seqs, device)
         self.graphs = None
         if device.type == "cuda" and not cfg.enforce_eager:
-            self.graphs = GraphPool(self._graph_body, self._graph_padding(), cfg.max_num_seqs)
+            self.graphs = GraphPool(self._graph_body, *self._graph_rows(), cfg.max_num_seqs)
+
+    def admit(self, rows: list[PrefillRow]) -> None:
+        """Sequences (re)entering their slots: their subtalker sampling settings."""
+        self.settings.set([r.slot for r in rows], [predictor_settings(r) for r in rows])
 
     def frame_step(self, hidden: torch.Tensor, c0: torch.Tensor, st: SamplingTensors,
                    frame_idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -59,20 +64,21 @@ class PredictorRunner:
         return torch.stack(codes, dim=1), torch.stack(embeds, dim=1).sum(1)
 
     @torch.inference_mode()
-    def run(self, seqs: list[StepRow], hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        dev = self.device
-        c0 = torch.tensor([s.pending_c0 for s in seqs], dtype=torch.long, device=dev)
-        frame_idx = torch.tensor([s.num_frames for s in seqs], dtype=torch.long, device=dev)
-        st = predictor_sampling(seqs, dev)
+    def run(self, batch: DecodeBatch, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden [B, H]: each sequence's last talker hidden state -> (codes [B, 16], frame sums [B, H])."""
+        inp = dict(rows=torch.from_numpy(batch.rows), hidden=hidden)
         if self.graphs is not None:
-            return self.graphs.run(dict(hidden=hidden, c0=c0, frame_idx=frame_idx, **st.as_dict()))
-        return self.frame_step(hidden, c0, st, frame_idx)
+            return self.graphs.run(inp)
+        return self._graph_body({k: v.to(self.device) for k, v in inp.items()})
 
     def _graph_body(self, inp: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.frame_step(inp["hidden"], inp["c0"], SamplingTensors.from_dict(inp), inp["frame_idx"])
+        rows = inp["rows"]
+        return self.frame_step(inp["hidden"], rows[:, PENDING_C0], self.settings.gather(rows[:, SLOT]),
+                               rows[:, NUM_FRAMES])
 
-    def _graph_padding(self) -> dict[str, torch.Tensor]:
-        dev = self.device
-        return dict(hidden=torch.zeros(self.model_cfg.talker.hidden_size, dtype=self.dtype, device=dev),
-                    c0=torch.tensor(0, dtype=torch.long, device=dev),
-                    frame_idx=torch.tensor(0, dtype=torch.long, device=dev), **SamplingTensors.padding(dev))
+    def _graph_rows(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        pad_row = torch.zeros(6, dtype=torch.long)
+        pad_row[SLOT] = self.cfg.max_num_seqs
+        rows = dict(rows=pad_row.to(self.device),
+                    hidden=torch.zeros(self.model_cfg.talker.hidden_size, dtype=self.dtype, device=self.device))
+        return rows, dict(rows=pad_row)

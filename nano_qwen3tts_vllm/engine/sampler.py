@@ -76,20 +76,31 @@ class SamplingTensors:
         )
 
 
-    def as_dict(self) -> dict[str, torch.Tensor]:
-        return {f"st_{k}": v for k, v in vars(self).items()}
+class SlotSettings:
+    """Sampling settings per sequence slot, on the device. Written once when a sequence is admitted,
+    so a decode step sends only slot numbers and the step (a CUDA graph) gathers its rows itself.
+    Row `num_slots` is scratch: the greedy padding row of graph batches."""
 
-    @classmethod
-    def from_dict(cls, d: dict[str, torch.Tensor]) -> "SamplingTensors":
-        return cls(**{k[3:]: v for k, v in d.items() if k.startswith("st_")})
+    def __init__(self, num_slots: int, device, extra: dict[str, tuple[torch.dtype, float]] | None = None):
+        self.fields = dict(do_sample=(torch.bool, False), temperature=(torch.float32, 1.0),
+                           top_k=(torch.long, 0), top_p=(torch.float32, 1.0), seeds=(torch.long, 0), **(extra or {}))
+        self.values = {k: torch.full((num_slots + 1,), v, dtype=dt, device=device)
+                       for k, (dt, v) in self.fields.items()}
 
-    @staticmethod
-    def padding(device) -> dict[str, torch.Tensor]:
-        """One greedy row, for rows that only fill a CUDA-graph batch."""
-        return dict(st_do_sample=torch.tensor(False, device=device), st_temperature=torch.tensor(1.0, device=device),
-                    st_top_k=torch.tensor(0, dtype=torch.long, device=device),
-                    st_top_p=torch.tensor(1.0, device=device),
-                    st_seeds=torch.tensor(0, dtype=torch.long, device=device))
+    def set(self, slots: list[int], rows: list[dict]) -> None:
+        """rows: one dict per slot with a value for every field."""
+        idx = torch.tensor(slots, dtype=torch.long)
+        for k, (dt, _) in self.fields.items():
+            t = self.values[k]
+            t[idx.to(t.device)] = torch.tensor([r[k] for r in rows], dtype=dt).to(t.device)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self.values[name]
+
+    def gather(self, slots: torch.Tensor) -> SamplingTensors:
+        v = self.values
+        return SamplingTensors(v["do_sample"][slots], v["temperature"][slots], v["top_k"][slots],
+                               v["top_p"][slots], v["seeds"][slots])
 
 
 @cuda_compiled

@@ -29,25 +29,46 @@ class Prompt:
 
 
 @dataclass
-class StepRow:
-    """What a runner needs of one sequence for one step: small and picklable, so it can cross to
-    a worker process. Counts are taken before the step."""
+class PrefillRow:
+    """What the talker's prefill needs of one sequence: small and picklable, so it can cross to a
+    worker process. Counts are taken before the step. The seed and params are also what the
+    runners keep per slot for the sequence's later decode steps (see DecodeBatch)."""
     slot: int
     seed: int
     params: SamplingParams
     num_c0: int                   # codebook-0 ids sampled so far
-    num_frames: int
-    num_tokens: int               # KV positions before this step (a decode step writes position num_tokens)
-    num_cached_tokens: int
+    num_tokens: int               # positions to have KV after the prefill
+    num_cached_tokens: int        # leading positions already cached (prefix reuse)
     block_table: list[int]
-    pending_c0: int = -1          # sampled c0 still waiting for its frame
-    step_text_id: int = -1        # text id added to the frame this decode step feeds back
-    # prefill only: positions [num_cached_tokens, num_tokens)
+    pending_c0: int = -1          # a re-prefilled (preempted) sequence's c0 still waiting for its frame
+    c0_history: list[int] | None = None
+    # positions [num_cached_tokens, num_tokens)
     text_ids: np.ndarray | None = None
     codes: np.ndarray | None = None
     speaker: np.ndarray | None = None
     speaker_row: int = -1         # index into text_ids where the speaker vector is added
-    c0_history: list[int] | None = None
+
+
+# columns of DecodeBatch.rows
+SLOT, NUM_C0, NUM_FRAMES, NUM_TOKENS, PENDING_C0, TEXT_ID = range(6)
+
+
+@dataclass
+class DecodeBatch:
+    """One decode step of B running sequences as two integer arrays: cheap to build, to send to a
+    worker and to copy into a CUDA graph's inputs. Everything else a runner needs (sampling settings,
+    repetition history) it keeps per slot since the sequence's prefill."""
+    rows: np.ndarray           # [B, 6] int64: slot, c0 sampled so far, frames so far, KV positions so far
+    #                            (the step writes position num_tokens), the c0 this frame starts from,
+    #                            the text id added to the frame fed back
+    block_tables: np.ndarray   # [B, W] int32, padded with -1
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    @property
+    def slots(self) -> np.ndarray:
+        return self.rows[:, SLOT]
 
 
 class SequenceStatus(Enum):
@@ -113,20 +134,21 @@ class Sequence:
             codes.append(np.array(self.frames[t0:end - L], dtype=np.int64).reshape(-1, self.prompt.codes.shape[1]))
         return np.concatenate(text), np.concatenate(codes)
 
-    def step_row(self, prefill: bool) -> StepRow:
-        n = len(self.frames)
-        row = StepRow(slot=self.slot, seed=self.seed, params=self.params, num_c0=len(self.c0), num_frames=n,
-                      num_tokens=self.num_tokens, num_cached_tokens=self.num_cached_tokens,
-                      block_table=list(self.block_table), pending_c0=self.c0[n] if self.has_pending_c0 else -1,
-                      step_text_id=self.step_text_id(n))
-        if prefill:
-            start = self.num_cached_tokens
-            row.text_ids, row.codes = self.positions(start, self.num_tokens)
-            row.c0_history = list(self.c0)
-            p = self.prompt
-            if p.speaker is not None and start <= p.speaker_pos < self.num_tokens:
-                row.speaker, row.speaker_row = p.speaker, p.speaker_pos - start
+    def prefill_row(self) -> PrefillRow:
+        start = self.num_cached_tokens
+        row = PrefillRow(slot=self.slot, seed=self.seed, params=self.params, num_c0=len(self.c0),
+                      num_tokens=self.num_tokens, num_cached_tokens=start, block_table=list(self.block_table),
+                      pending_c0=self.c0[len(self.frames)] if self.has_pending_c0 else -1,
+                      c0_history=list(self.c0))
+        row.text_ids, row.codes = self.positions(start, self.num_tokens)
+        p = self.prompt
+        if p.speaker is not None and start <= p.speaker_pos < self.num_tokens:
+            row.speaker, row.speaker_row = p.speaker, p.speaker_pos - start
         return row
+
+    def decode_row(self) -> tuple[int, int, int, int, int, int]:
+        n = len(self.frames)
+        return self.slot, len(self.c0), n, self.num_tokens, self.c0[n], self.step_text_id(n)
 
     def block_bytes(self, i: int) -> bytes:
         """Content of prompt block i for prefix hashing (speaker vector included)."""
@@ -135,3 +157,11 @@ class Sequence:
         if self.prompt.speaker is not None and s <= self.prompt.speaker_pos < e:
             data += self.prompt.speaker.astype(np.float32).tobytes()
         return data
+
+
+def decode_batch(seqs: list[Sequence]) -> DecodeBatch:
+    width = max(len(s.block_table) for s in seqs)
+    tables = np.full((len(seqs), width), -1, dtype=np.int32)
+    for i, s in enumerate(seqs):
+        tables[i, :len(s.block_table)] = s.block_table
+    return DecodeBatch(np.array([s.decode_row() for s in seqs], dtype=np.int64), tables)

@@ -14,15 +14,16 @@ from ..layers.attention import PagedAttention, PagedMetadata
 from ..models.loader import load_weights
 from ..models.talker import Talker
 from .cuda_graphs import GraphPool
-from .sampler import SamplingTensors, apply_penalties, sample
-from .sequence import StepRow
+from .sampler import SlotSettings, apply_penalties, sample
+from .sequence import NUM_C0, NUM_TOKENS, SLOT, TEXT_ID, DecodeBatch, PrefillRow
 
 logger = logging.getLogger(__name__)
 
 
-def talker_sampling(seqs: list[StepRow], device) -> SamplingTensors:
-    return SamplingTensors.build([(s.params.do_sample, s.params.temperature if s.params.do_sample else 1.0,
-                                   s.params.top_k, s.params.top_p, s.seed) for s in seqs], device)
+def talker_settings(row: PrefillRow) -> dict:
+    p = row.params
+    return dict(do_sample=p.do_sample, temperature=p.temperature if p.do_sample else 1.0, top_k=p.top_k,
+                top_p=p.top_p, seeds=row.seed, penalty=p.repetition_penalty, min_new=p.min_new_tokens)
 
 
 class TalkerRunner:
@@ -38,14 +39,16 @@ class TalkerRunner:
         self.num_blocks = self._allocate_kv_cache()
         self.max_blocks_per_seq = (cfg.max_model_len + self.block_size - 1) // self.block_size
         V = model_cfg.codec_vocab_size
-        # row max_num_seqs is scratch for padded graph rows
+        # per slot: sampling settings and which c0 ids were generated; row max_num_seqs is scratch
+        self.settings = SlotSettings(cfg.max_num_seqs, device,
+                                     dict(penalty=(torch.float32, 1.0), min_new=(torch.long, 0)))
         self.seen = torch.zeros(cfg.max_num_seqs + 1, V, dtype=torch.bool, device=device)
         self.suppress = torch.zeros(V, dtype=torch.bool, device=device)
         self.suppress[model_cfg.suppressed_ids] = True
         self._true = torch.ones((), dtype=torch.bool, device=device)
         self.graphs = None
         if device.type == "cuda" and not cfg.enforce_eager:
-            self.graphs = GraphPool(self._graph_body, self._graph_padding(), cfg.max_num_seqs)
+            self.graphs = GraphPool(self._decode_body, *self._graph_rows(), cfg.max_num_seqs)
 
     # ---- KV cache -------------------------------------------------------------------------
     def _allocate_kv_cache(self) -> int:
@@ -68,6 +71,7 @@ class TalkerRunner:
         for i, layer in enumerate(self.attn_layers):
             layer.k_cache, layer.v_cache = self.kv_cache[i, 0], self.kv_cache[i, 1]
             layer.backend = backend
+        self.backend = backend
         logger.info("talker KV cache: %d blocks of %d positions (%.2f GiB), %s attention", num_blocks,
                     self.block_size, self.kv_cache.numel() * self.dtype.itemsize / 2**30, backend)
         return num_blocks
@@ -90,17 +94,17 @@ class TalkerRunner:
     def scratch_block(self) -> int:
         return self.num_blocks
 
-    def _slots(self, seq: StepRow, start: int, end: int) -> list[int]:
+    def _slots(self, seq: PrefillRow, start: int, end: int) -> list[int]:
         bs = self.block_size
         return [seq.block_table[p // bs] * bs + p % bs for p in range(start, end)]
 
-    def _block_tables(self, seqs: list[StepRow], width: int) -> torch.Tensor:
+    def _block_tables(self, seqs: list[PrefillRow], width: int) -> torch.Tensor:
         rows = [s.block_table + [self.scratch_block] * (width - len(s.block_table)) for s in seqs]
         return torch.tensor(rows, dtype=torch.int32, device=self.device)
 
     # ---- prefill --------------------------------------------------------------------------
     @torch.inference_mode()
-    def prefill(self, seqs: list[StepRow]) -> tuple[torch.Tensor, torch.Tensor]:
+    def prefill(self, seqs: list[PrefillRow]) -> tuple[torch.Tensor, torch.Tensor]:
         """Compute every uncached position; return (last hidden [B, H], codebook-0 logits [B, V] fp32)."""
         text, codes, positions, slots, seqlens_q, seqlens_k = [], [], [], [], [], []
         speaker_rows, speaker_vecs = [], []
@@ -122,103 +126,93 @@ class TalkerRunner:
                                   torch.from_numpy(np.concatenate(codes)).to(dev))
         if speaker_rows:
             embeds[speaker_rows] += torch.from_numpy(np.stack(speaker_vecs)).to(dev, self.dtype)
-        cu_q = torch.tensor(np.cumsum([0] + seqlens_q), dtype=torch.int32, device=dev)
+        cu_q = np.cumsum([0] + seqlens_q)
         has_prefix = any(q != k for q, k in zip(seqlens_q, seqlens_k))
         meta = PagedMetadata(
             is_prefill=True, slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-            seqlens_q=seqlens_q, seqlens_k=seqlens_k, cu_seqlens_q=cu_q,
+            seqlens_q=seqlens_q, seqlens_k=seqlens_k, cu_seqlens_q=torch.tensor(cu_q, dtype=torch.int32, device=dev),
             cu_seqlens_k=torch.tensor(np.cumsum([0] + seqlens_k), dtype=torch.int32, device=dev),
             block_tables=self._block_tables(seqs, max(len(s.block_table) for s in seqs)) if has_prefix else None,
             has_prefix=has_prefix)
+        if not has_prefix and self.backend != "flash":
+            self._add_padding(meta, seqlens_q)
         pos = torch.from_numpy(np.concatenate(positions)).to(dev)
-        hidden = self.model(embeds, pos, meta)[cu_q[1:].long() - 1]
+        hidden = self.model(embeds, pos, meta)[torch.from_numpy(cu_q[1:] - 1).to(dev)]
         return hidden, self.model.codec_head(hidden).float()
 
-    def reset_history(self, seqs: list[StepRow]) -> None:
-        """Point each sequence's (possibly new) sampler slot at its codebook-0 history so far."""
-        slots = torch.tensor([s.slot for s in seqs], dtype=torch.long, device=self.device)
-        self.seen[slots] = False
-        for s in seqs:
-            if s.c0_history:
-                self.seen[s.slot, s.c0_history] = True
-
-    def sample_first(self, seqs: list[StepRow], logits: torch.Tensor) -> torch.Tensor:
-        slots = torch.tensor([s.slot for s in seqs], dtype=torch.long, device=self.device)
-        return self._sample(seqs, slots, logits)
-
-    def _sample(self, seqs: list[StepRow], slots: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    def _add_padding(self, meta: PagedMetadata, lens: list[int]) -> None:
+        """One attention call for the whole batch (see padded_prefill) instead of one per sequence."""
+        width, starts = max(lens), np.cumsum([0] + lens[:-1])
+        ar = np.arange(width)
+        pad = starts[:, None] + np.minimum(ar[None, :], np.array(lens)[:, None] - 1)
+        unpad = np.concatenate([b * width + np.arange(n) for b, n in enumerate(lens)])
         dev = self.device
-        penalty = torch.tensor([s.params.repetition_penalty for s in seqs], dtype=torch.float32, device=dev)
-        block_eos = torch.tensor([s.num_c0 < s.params.min_new_tokens for s in seqs], device=dev)
-        counters = torch.tensor([s.num_c0 * 16 for s in seqs], dtype=torch.long, device=dev)
-        logits = apply_penalties(logits, self.seen[slots], penalty, block_eos, self.model_cfg.codec_eos_id,
-                                 self.suppress)
-        c0 = sample(logits, talker_sampling(seqs, dev), counters)
-        self._mark_seen(slots, c0)
-        return c0
+        meta.pad_index, meta.unpad_index = torch.from_numpy(pad).to(dev), torch.from_numpy(unpad).to(dev)
+        meta.prefill_lens = torch.tensor(lens, dtype=torch.long, device=dev)
 
-    def _mark_seen(self, slots: torch.Tensor, c0: torch.Tensor) -> None:
+    def admit(self, rows: list[PrefillRow]) -> None:
+        """Sequences (re)entering their slots: their sampling settings and codebook-0 history so far."""
+        self.settings.set([r.slot for r in rows], [talker_settings(r) for r in rows])
+        slots = torch.tensor([r.slot for r in rows], dtype=torch.long, device=self.device)
+        self.seen[slots] = False
+        for r in rows:
+            if r.c0_history:
+                self.seen[r.slot, r.c0_history] = True
+
+    def sample_first(self, rows: list[PrefillRow], logits: torch.Tensor) -> torch.Tensor:
+        """c0 of frame 0 from the prefill's logits (rows already admitted)."""
+        slots = torch.tensor([r.slot for r in rows], dtype=torch.long, device=self.device)
+        num_c0 = torch.tensor([r.num_c0 for r in rows], dtype=torch.long, device=self.device)
+        return self._sample_c0(slots, num_c0, logits)
+
+    def _sample_c0(self, slots: torch.Tensor, num_c0: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        s = self.settings
+        logits = apply_penalties(logits, self.seen[slots], s["penalty"][slots], num_c0 < s["min_new"][slots],
+                                 self.model_cfg.codec_eos_id, self.suppress)
+        c0 = sample(logits, s.gather(slots), num_c0 * 16)
         # index_put_ with a device-resident True: a Python scalar here would be a host copy (illegal in capture)
         self.seen.index_put_((slots, c0), self._true)
+        return c0
 
     # ---- decode ---------------------------------------------------------------------------
-    def decode_inputs(self, seqs: list[StepRow]) -> dict[str, torch.Tensor]:
-        """Inputs of one decode step: each sequence feeds back its newest frame at position num_tokens."""
-        dev = self.device
-        positions = [s.num_tokens for s in seqs]
-        return dict(
-            text_ids=torch.tensor([s.step_text_id for s in seqs], dtype=torch.long, device=dev),
-            positions=torch.tensor(positions, dtype=torch.long, device=dev),
-            slot_mapping=torch.tensor([self._slots(s, p, p + 1)[0] for s, p in zip(seqs, positions)],
-                                      dtype=torch.long, device=dev),
-            context_lens=torch.tensor([p + 1 for p in positions], dtype=torch.int32, device=dev),
-            block_tables=self._block_tables(seqs, max(len(s.block_table) for s in seqs)),
-            slots=torch.tensor([s.slot for s in seqs], dtype=torch.long, device=dev),
-            penalty=torch.tensor([s.params.repetition_penalty for s in seqs], dtype=torch.float32, device=dev),
-            block_eos=torch.tensor([s.num_c0 < s.params.min_new_tokens for s in seqs], device=dev),
-            counters=torch.tensor([s.num_c0 * 16 for s in seqs], dtype=torch.long, device=dev),
-        )
-
-    def decode_step(self, frame_sum: torch.Tensor, inp: dict[str, torch.Tensor], st: SamplingTensors):
-        """The graph-capturable body: embed, run, sample, record the sampled id as seen."""
-        embeds = frame_sum + self.model.text(inp["text_ids"])
-        meta = PagedMetadata(is_prefill=False, slot_mapping=inp["slot_mapping"],
-                             context_lens=inp["context_lens"], block_tables=inp["block_tables"])
-        hidden = self.model(embeds, inp["positions"], meta)
-        logits = self.model.codec_head(hidden).float()
-        logits = apply_penalties(logits, self.seen[inp["slots"]], inp["penalty"], inp["block_eos"],
-                                 self.model_cfg.codec_eos_id, self.suppress)
-        c0 = sample(logits, st, inp["counters"])
-        self._mark_seen(inp["slots"], c0)
-        return hidden, c0, logits
+    def load_decode(self, batch: DecodeBatch) -> None:
+        """Stage a step's index inputs (before its frame embeddings exist: a worker does this while the
+        predictor is still running)."""
+        tables = np.where(batch.block_tables < 0, self.scratch_block, batch.block_tables)
+        inp = dict(rows=torch.from_numpy(batch.rows), block_tables=torch.from_numpy(tables))
+        if self.graphs is not None:
+            self.graphs.load(inp)
+        else:
+            self._eager = {k: v.to(self.device) for k, v in inp.items()}
 
     @torch.inference_mode()
-    def decode(self, seqs: list[StepRow], frame_sum: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        inp = self.decode_inputs(seqs)
-        st = talker_sampling(seqs, self.device)
+    def run_decode(self, frame_sum: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """frame_sum [B, H]: each sequence's newest frame embedding -> (hidden [B, H], next c0 [B])."""
         if self.graphs is not None:
-            return self.graphs.run(dict(inp, frame_sum=frame_sum, **st.as_dict()))
-        hidden, c0, _ = self.decode_step(frame_sum, inp, st)
-        return hidden, c0
+            self.graphs.load(dict(frame_sum=frame_sum))
+            return self.graphs.replay(frame_sum.shape[0])
+        return self._decode_body(dict(self._eager, frame_sum=frame_sum))
 
-    def _graph_body(self, inp: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        st = SamplingTensors.from_dict(inp)
-        hidden, c0, _ = self.decode_step(inp["frame_sum"], inp, st)
-        return hidden, c0
+    def decode(self, batch: DecodeBatch, frame_sum: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        self.load_decode(batch)
+        return self.run_decode(frame_sum)
 
-    def _graph_padding(self) -> dict[str, torch.Tensor]:
-        """Padding rows: write KV into the scratch block, sampler state into the scratch row."""
-        dev, i64 = self.device, torch.long
-        pad = dict(
-            frame_sum=torch.zeros(self.model_cfg.talker.hidden_size, dtype=self.dtype, device=dev),
-            text_ids=torch.tensor(self.model_cfg.tts_pad_id, dtype=i64, device=dev),
-            positions=torch.tensor(0, dtype=i64, device=dev),
-            slot_mapping=torch.tensor(self.scratch_block * self.block_size, dtype=i64, device=dev),
-            context_lens=torch.tensor(1, dtype=torch.int32, device=dev),
-            block_tables=torch.full((self.max_blocks_per_seq,), self.scratch_block, dtype=torch.int32, device=dev),
-            slots=torch.tensor(self.cfg.max_num_seqs, dtype=i64, device=dev),
-            penalty=torch.tensor(1.0, device=dev),
-            block_eos=torch.tensor(False, device=dev),
-            counters=torch.tensor(0, dtype=i64, device=dev),
-        )
-        return dict(pad, **SamplingTensors.padding(dev))
+    def _decode_body(self, inp: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The graph-capturable step: positions, cache slots and settings all come from the rows."""
+        rows, tables = inp["rows"], inp["block_tables"]
+        slots, num_c0, pos = rows[:, SLOT], rows[:, NUM_C0], rows[:, NUM_TOKENS]
+        bs = self.block_size
+        slot_mapping = tables.gather(1, (pos // bs)[:, None])[:, 0].long() * bs + pos % bs
+        meta = PagedMetadata(is_prefill=False, slot_mapping=slot_mapping, context_lens=(pos + 1).int(),
+                             block_tables=tables)
+        hidden = self.model(inp["frame_sum"] + self.model.text(rows[:, TEXT_ID]), pos, meta)
+        return hidden, self._sample_c0(slots, num_c0, self.model.codec_head(hidden).float())
+
+    def _graph_rows(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """An example row of each input, and the padding rows (slot and KV writes go to scratch)."""
+        pad_row = torch.zeros(6, dtype=torch.long)
+        pad_row[SLOT], pad_row[TEXT_ID] = self.cfg.max_num_seqs, self.model_cfg.tts_pad_id
+        padding = dict(rows=pad_row, block_tables=torch.full((self.max_blocks_per_seq,), self.scratch_block,
+                                                             dtype=torch.int32))
+        rows = dict(padding, frame_sum=torch.zeros(self.model_cfg.talker.hidden_size, dtype=self.dtype))
+        return {k: v.to(self.device) for k, v in rows.items()}, padding

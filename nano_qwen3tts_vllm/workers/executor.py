@@ -3,6 +3,7 @@ step over ZMQ PUSH/PULL, wait for the results with a timeout, and restart the wo
 failure (the engine has already failed the requests that were in flight)."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import shutil
@@ -11,11 +12,12 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 import zmq
 
 from ..config import EngineConfig
-from ..engine.sequence import StepRow
+from ..engine.sequence import DecodeBatch, PrefillRow
 from .protocol import launch, make_socket, poll, recv, send
 
 logger = logging.getLogger(__name__)
@@ -55,12 +57,12 @@ class MultiprocessExecutor:
             spec = dict(role=role, model_dir=self.model_dir, cfg=self.cfg, device=self.devices[role], dtype=dtype,
                         addrs=addrs, parent_pid=os.getpid(), peer_timeout_s=self.step_timeout_s)
             self.procs[role] = launch("nano_qwen3tts_vllm.workers.worker", spec, Path(self.dir) / f"{role}.pkl")
-            msg = self._next(deadline, f"the {role} worker's start")
+            msg, _ = self._next(deadline, f"the {role} worker's start")
             if msg["op"] != "ready" or msg["who"] != role:
                 raise WorkerError(f"unexpected message while starting the {role} worker: {msg['op']}")
             ready[role] = msg
         self.num_blocks = ready["talker"]["num_blocks"]
-        self.step, self.unsynced, self.broken = 0, 0, False
+        self.step, self.unsynced, self.broken, self.admitted = 0, 0, False, []
         logger.info("workers ready (talker on %s, predictor on %s; pids %s)", self.devices["talker"],
                     self.devices["predictor"], {r: p.pid for r, p in self.procs.items()})
 
@@ -101,42 +103,46 @@ class MultiprocessExecutor:
             self.procs = {}
 
     # ---- steps ----------------------------------------------------------------------------
-    def prefill(self, rows: list[StepRow]) -> list[int]:
+    def prefill(self, rows: list[PrefillRow]) -> list[int]:
         self.step += 1
         self._send("talker", {"op": "prefill", "step": self.step, "rows": rows})
         self.unsynced += 1
-        return self._collect({"c0"})["c0"]["c0"]
+        # the predictor learns the new slots' settings with its next step (without the prompt arrays)
+        self.admitted += [dataclasses.replace(r, text_ids=None, codes=None, speaker=None, c0_history=None,
+                                              block_table=[]) for r in rows]
+        return self._collect({"c0"})["c0"][0]["c0"]
 
-    def decode(self, rows: list[StepRow]) -> tuple[list[list[int]], list[int]]:
+    def decode(self, batch: DecodeBatch) -> tuple[np.ndarray, np.ndarray]:
         self.step += 1
-        self._send("predictor", {"op": "decode", "step": self.step, "rows": rows, "sync": self.unsynced})
-        self.unsynced = 0
-        self._send("talker", {"op": "decode", "step": self.step, "rows": rows})
+        self._send("predictor", {"op": "decode", "step": self.step, "sync": self.unsynced, "admit": self.admitted},
+                   [batch.rows])
+        self.unsynced, self.admitted = 0, []
+        self._send("talker", {"op": "decode", "step": self.step}, [batch.rows, batch.block_tables])
         self.unsynced += 1
         got = self._collect({"codes", "c0"})
-        return got["codes"]["codes"], got["c0"]["c0"]
+        return got["codes"][1][0].numpy(), got["c0"][1][0].numpy()
 
-    def _send(self, role: str, msg: dict) -> None:
+    def _send(self, role: str, msg: dict, arrays: list[np.ndarray] | tuple = ()) -> None:
         if not self.is_alive():
             raise WorkerError(f"the {role} worker is not running")
         try:
-            send(self.inbox[role], msg)
+            send(self.inbox[role], msg, arrays)
         except zmq.Again as e:
             self.broken = True
             raise WorkerError(f"the {role} worker does not take messages") from e
 
-    def _collect(self, ops: set[str]) -> dict[str, dict]:
+    def _collect(self, ops: set[str]) -> dict[str, tuple[dict, list[torch.Tensor]]]:
         deadline = time.monotonic() + self.step_timeout_s
-        got: dict[str, dict] = {}
+        got: dict[str, tuple[dict, list[torch.Tensor]]] = {}
         while len(got) < len(ops):
-            msg = self._next(deadline, f"step {self.step}")
+            msg, tensors = self._next(deadline, f"step {self.step}")
             if msg.get("step") != self.step or msg["op"] not in ops:
                 self.broken = True
                 raise WorkerError(f"out-of-order message {msg['op']} for step {msg.get('step')} (at {self.step})")
-            got[msg["op"]] = msg
+            got[msg["op"]] = (msg, tensors)
         return got
 
-    def _next(self, deadline: float, what: str) -> dict:
+    def _next(self, deadline: float, what: str) -> tuple[dict, list[torch.Tensor]]:
         """The next result message; raises WorkerError if a worker died, failed, or time ran out."""
         while not poll(self.results, 100):
             dead = [r for r, p in self.procs.items() if p.poll() is not None]
@@ -147,8 +153,8 @@ class MultiprocessExecutor:
             if time.monotonic() > deadline:
                 self.broken = True
                 raise WorkerError(f"no answer from the workers within the timeout during {what}")
-        msg, _ = recv(self.results)
+        msg, tensors = recv(self.results)
         if msg["op"] == "error":
             self.broken = True
             raise WorkerError(f"the {msg['who']} worker failed during {what}:\n{msg['error']}")
-        return msg
+        return msg, tensors

@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import torch
 import zmq
 
@@ -23,10 +24,10 @@ def make_socket(ctx: zmq.Context, kind: int, addr: str, bind: bool) -> zmq.Socke
     return sock
 
 
-def send(sock: zmq.Socket, header: dict, tensors: list[torch.Tensor] | tuple = ()) -> None:
+def send(sock: zmq.Socket, header: dict, tensors: list[torch.Tensor | np.ndarray] | tuple = ()) -> None:
     metas, bufs = [], []
     for t in tensors:
-        t = t.detach().contiguous().cpu()
+        t = torch.from_numpy(np.ascontiguousarray(t)) if isinstance(t, np.ndarray) else t.detach().contiguous().cpu()
         metas.append((str(t.dtype).removeprefix("torch."), tuple(t.shape)))
         bufs.append(t.view(torch.uint8).numpy() if t.numel() else b"")
     sock.send_multipart([pickle.dumps(dict(header, _tensors=metas))] + bufs, copy=False)

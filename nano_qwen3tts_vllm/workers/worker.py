@@ -11,10 +11,12 @@ import signal
 import sys
 import traceback
 
+import numpy as np
 import torch
 import zmq
 
 from ..config import EngineConfig, ModelConfig
+from ..engine.sequence import DecodeBatch
 from .protocol import make_socket, poll, recv, send
 
 logger = logging.getLogger(__name__)
@@ -62,14 +64,14 @@ def run_worker(role: str, model_dir: str, cfg: EngineConfig, device: str, dtype:
     send(results, {"op": "ready", "who": role, "num_blocks": getattr(worker, "num_blocks", 0)})
     while True:
         _wait(inbox, parent_pid)
-        header, _ = recv(inbox)
+        header, arrays = recv(inbox)
         if header["op"] == "shutdown":
             break
         try:
-            reply = worker.handle(header)
+            reply, tensors = worker.handle(header, [a.numpy() for a in arrays])
         except Exception:  # noqa: BLE001
-            reply = {"op": "error", "who": role, "error": traceback.format_exc()}
-        send(results, dict(reply, step=header["step"]))
+            reply, tensors = {"op": "error", "who": role, "error": traceback.format_exc()}, []
+        send(results, dict(reply, step=header["step"]), tensors)
     ctx.destroy(linger=0)
 
 
@@ -82,20 +84,24 @@ class TalkerWorker:
         self.frames_in, self.hidden_out = frames_in, hidden_out
         self.parent_pid, self.peer_timeout_s = parent_pid, peer_timeout_s
 
-    def handle(self, msg: dict) -> dict:
+    def handle(self, msg: dict, arrays: list[np.ndarray]) -> tuple[dict, list[torch.Tensor]]:
         from ..engine.executor import prefill_and_sample
-        rows = msg["rows"]
         if msg["op"] == "prefill":
-            hidden, c0 = prefill_and_sample(self.runner, rows)
+            slots = [r.slot for r in msg["rows"]]
+            hidden, c0 = prefill_and_sample(self.runner, msg["rows"])
+            reply, tensors = {"op": "c0", "c0": c0}, []
         else:
+            batch = DecodeBatch(*arrays)
+            slots = batch.slots.tolist()
+            self.runner.load_decode(batch)  # while the predictor is still running
             _wait(self.frames_in, self.parent_pid, self.peer_timeout_s)
             header, (frame_sum,) = recv(self.frames_in)
             if header["step"] != msg["step"]:
                 raise RuntimeError(f"talker got frames of step {header['step']} for step {msg['step']}")
-            hidden, c0 = self.runner.decode(rows, frame_sum.to(self.device))
-            c0 = c0.tolist()
-        send(self.hidden_out, {"slots": [r.slot for r in rows]}, [hidden])
-        return {"op": "c0", "c0": c0}
+            hidden, c0 = self.runner.run_decode(frame_sum.to(self.device))
+            reply, tensors = {"op": "c0"}, [c0]
+        send(self.hidden_out, {"slots": slots}, [hidden])
+        return reply, tensors
 
 
 class PredictorWorker:
@@ -108,16 +114,18 @@ class PredictorWorker:
         self.hidden_in, self.frames_out = hidden_in, frames_out
         self.parent_pid, self.peer_timeout_s = parent_pid, peer_timeout_s
 
-    def handle(self, msg: dict) -> dict:
+    def handle(self, msg: dict, arrays: list[np.ndarray]) -> tuple[dict, list[torch.Tensor]]:
+        if msg["admit"]:
+            self.runner.admit(msg["admit"])
         for _ in range(msg["sync"]):  # the talker's hidden states of every talker step since our last frame
             _wait(self.hidden_in, self.parent_pid, self.peer_timeout_s)
             header, (hidden,) = recv(self.hidden_in)
             self.hidden[header["slots"]] = hidden.to(self.device)
-        rows = msg["rows"]
-        slots = torch.tensor([r.slot for r in rows], device=self.device)
-        codes, frame_sum = self.runner.run(rows, self.hidden[slots])
-        send(self.frames_out, {"step": msg["step"]}, [frame_sum])
-        return {"op": "codes", "codes": codes.tolist()}
+        batch = DecodeBatch(arrays[0], np.empty((len(arrays[0]), 0), dtype=np.int32))
+        slots = torch.from_numpy(batch.slots).to(self.device)
+        codes, frame_sum = self.runner.run(batch, self.hidden[slots])
+        send(self.frames_out, {"step": msg["step"]}, [frame_sum])  # the talker starts now
+        return {"op": "codes"}, [codes]
 
 
 if __name__ == "__main__":  # started by MultiprocessExecutor: python -m ...workers.worker SPEC_FILE
