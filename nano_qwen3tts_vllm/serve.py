@@ -35,7 +35,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--voices-dir", help="where registered voices are kept (default: in memory only)")
     p.add_argument("--max-queue", type=int,
-                   help="requests in flight before new ones get 429 (default: 4 x max-num-seqs)")
+                   help="requests in flight before new ones get 429 (default: 4 x max-num-seqs); also the "
+                        "number of streaming decoder slots")
     p.add_argument("--allow-remote-audio", action="store_true", help="accept http(s) URLs as ref_audio")
     p.add_argument("--allow-local-audio", action="store_true",
                    help="accept server-side paths as ref_audio (any file this process can read)")
@@ -64,6 +65,8 @@ def load_model(args: argparse.Namespace):
     accepted = inspect.signature(Qwen3TTSInterface.from_pretrained).parameters
     if "multiprocess" in accepted:
         kw["multiprocess"] = True
+    if args.max_queue is not None and "max_streams" in accepted:  # every request in flight may be streaming
+        kw["max_streams"] = args.max_queue
     for name in ("talker_device", "predictor_device"):
         if getattr(args, name) is not None:
             if name not in accepted:

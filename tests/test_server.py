@@ -266,9 +266,10 @@ def test_client_disconnect_aborts_and_frees_blocks(cv):
         httpx.post(cv.url + "/v1/audio/speech", json=dict(body, response_format="mp3"), timeout=1.0)
     assert_idle(cv.tts)
     deadline = time.monotonic() + 10
-    while cv.app.state.server.in_flight and time.monotonic() < deadline:
+    while (cv.app.state.server.in_flight or cv.tts.codecs.slots.in_use()) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert cv.app.state.server.in_flight == 0
+    assert cv.tts.codecs.slots.in_use() == 0  # every stream gave its decoder slot back
     assert metric(cv, 'nano_qwen3tts_speech_outcomes_total{outcome="disconnected"}') >= 3
 
 
@@ -361,6 +362,22 @@ def test_queue_full_answers_429_at_once(cv):
         cv.settings.max_queue = None
     assert_idle(cv.tts)
     assert speak(cv, input="Room again.", voice="ryan", response_format="pcm", max_new_tokens=5).status_code == 200
+
+
+def test_no_free_decoder_slot_answers_429(cv):
+    pool = cv.tts.codecs.slots
+    held = [pool.acquire() for _ in range(pool.n - pool.in_use())]
+    try:
+        r = speak(cv, input="No decoder slot.", voice="ryan", response_format="pcm", max_new_tokens=5)
+        assert r.status_code == 429 and r.headers["retry-after"] == "1"
+        assert r.json()["error"]["code"] == "streams_busy"
+        assert "streaming decoder slots are in use" in r.json()["error"]["message"]
+        assert metric(cv, "nano_qwen3tts_codec_streams") == metric(cv, "nano_qwen3tts_codec_streams_max") == pool.n
+    finally:
+        for slot in held:
+            pool.release(slot)
+    assert_idle(cv.tts)
+    assert speak(cv, input="Slots again.", voice="ryan", response_format="pcm", max_new_tokens=5).status_code == 200
 
 
 # ---- bad input ------------------------------------------------------------------------------

@@ -1,15 +1,13 @@
-"""Reference-audio inputs (as qwen-tts accepts them) and chunked streaming decode."""
+"""Reference-audio inputs (as qwen-tts accepts them) and the chunking of streamed frames."""
 from __future__ import annotations
 
 import base64
 import binascii
 import io
 import urllib.request
-from dataclasses import dataclass
 from urllib.parse import urlparse
 
 import numpy as np
-import torch
 
 
 def _is_url(s: str) -> bool:
@@ -67,57 +65,26 @@ def load_audio(x, allow_url: bool = True, allow_path: bool = True) -> tuple[np.n
     return audio.astype(np.float32), int(sr)
 
 
-@dataclass
-class DecodeWindow:
-    """One streaming chunk to decode: frames [T, 16] whose samples [start, end) are the new audio."""
-    codes: list[list[int]]
-    start: int
-    end: int
+class ChunkPlanner:
+    """Groups the frames of one stream into audio chunks as they arrive: `first_chunk_size` frames first
+    (a small first chunk is a fast first packet), then `chunk_size`. A chunk is only its new frames: the
+    stateful StreamingCodecDecoder carries each stream's history."""
 
-
-class StreamingDecoder:
-    """Plans the audio chunks of one stream as its frames arrive.
-
-    Each chunk decodes its new frames together with up to `left_context` earlier frames and
-    keeps only the new samples; the codec decoder is causal, so with enough context the chunks
-    join without a seam. The first chunk can be smaller, for a fast first packet. Decoding itself
-    is done by the caller: `decode_windows` here, or the batched codec worker process.
-    """
-
-    def __init__(self, upsample: int, chunk_size: int = 12, first_chunk_size: int = 4, left_context: int = 72,
-                 context: list[list[int]] | None = None):
-        if chunk_size < 1 or first_chunk_size < 1 or left_context < 0:
-            raise ValueError("chunk_size and first_chunk_size must be >= 1, left_context >= 0")
-        self.upsample = upsample
-        self.chunk_size, self.first_chunk_size, self.left_context = chunk_size, first_chunk_size, left_context
-        self.frames: list[list[int]] = list(context or [])  # context (ICL reference codes) is never emitted
-        self.emitted = len(self.frames)
+    def __init__(self, chunk_size: int = 12, first_chunk_size: int = 4):
+        if chunk_size < 1 or first_chunk_size < 1:
+            raise ValueError(f"chunk_size and first_chunk_size must be >= 1, got {chunk_size} and {first_chunk_size}")
+        self.chunk_size, self.first_chunk_size = chunk_size, first_chunk_size
+        self.pending: list[list[int]] = []
         self.first = True
 
-    def push(self, frame: list[int]) -> DecodeWindow | None:
-        self.frames.append(frame)
+    def push(self, frame: list[int]) -> list[list[int]] | None:
+        self.pending.append(frame)
         want = self.first_chunk_size if self.first else self.chunk_size
-        return self._window() if len(self.frames) - self.emitted >= want else None
+        return self._take() if len(self.pending) >= want else None
 
-    def flush(self) -> DecodeWindow | None:
-        return self._window() if len(self.frames) > self.emitted else None
+    def flush(self) -> list[list[int]] | None:
+        return self._take() if self.pending else None
 
-    def _window(self) -> DecodeWindow:
-        start = max(0, self.emitted - self.left_context)
-        window = DecodeWindow(self.frames[start:], (self.emitted - start) * self.upsample,
-                              (len(self.frames) - start) * self.upsample)
-        self.emitted, self.first = len(self.frames), False
-        return window
-
-
-@torch.inference_mode()
-def decode_windows(codec_model, windows: list[DecodeWindow]) -> list[np.ndarray]:
-    """Decode windows of any lengths in one batch: right-padded (the decoder is causal, so padding
-    after a window cannot change its samples), then each cropped to its new samples."""
-    dev = next(codec_model.parameters()).device
-    longest = max(len(w.codes) for w in windows)
-    codes = torch.zeros(len(windows), longest, len(windows[0].codes[0]), dtype=torch.long)
-    for i, w in enumerate(windows):
-        codes[i, :len(w.codes)] = torch.tensor(w.codes, dtype=torch.long)
-    wav = codec_model.decoder(codes.transpose(1, 2).to(dev)).squeeze(1).float().cpu()
-    return [wav[i, w.start:w.end].numpy() for i, w in enumerate(windows)]
+    def _take(self) -> list[list[int]]:
+        chunk, self.pending, self.first = self.pending, [], False
+        return chunk

@@ -10,6 +10,7 @@ import asyncio
 import json
 import logging
 import warnings
+from contextlib import aclosing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import AsyncIterator, Iterator
@@ -22,9 +23,10 @@ from ..config import EngineConfig, ModelConfig
 from ..engine.engine_thread import EngineThread, RequestStream
 from ..engine.llm_engine import LLMEngine
 from ..engine.sequence import Prompt
+from ..models.codec_decoder import CodecStream, LocalCodecStreams
 from ..models.prompt import build_prompt
 from ..sampling_params import SamplingParams
-from .audio import DecodeWindow, StreamingDecoder, decode_windows, load_audio
+from .audio import ChunkPlanner, load_audio
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +76,8 @@ def resolve_model_dir(model: str) -> Path:
 
 class Qwen3TTSInterface:
     def __init__(self, model_dir: Path, engine_thread: EngineThread, processor, speech_tokenizer,
-                 speaker_encoder, generate_defaults: dict, model_cfg: ModelConfig, device, dtype, codec_worker=None):
+                 speaker_encoder, generate_defaults: dict, model_cfg: ModelConfig, device, dtype, codec_worker=None,
+                 max_streams: int = 256):
         self.model_dir = model_dir
         self.engine = engine_thread
         self.processor = processor
@@ -84,6 +87,8 @@ class Qwen3TTSInterface:
         self.model_cfg = model_cfg
         self.device, self.dtype = device, dtype
         self.codec_worker = codec_worker  # batched streaming decode in its own process, or None (in this process)
+        # streaming decode state of up to max_streams live streams (each stream holds a slot from start to end)
+        self.codecs = codec_worker or LocalCodecStreams(speech_tokenizer.model.decoder, max_streams)
 
     # ---- construction ---------------------------------------------------------------------
     @classmethod
@@ -91,7 +96,7 @@ class Qwen3TTSInterface:
                         dtype: torch.dtype | None = None, engine_config: EngineConfig | None = None,
                         multiprocess: bool = False, talker_device: str | None = None,
                         predictor_device: str | None = None, codec_worker: bool | None = None,
-                        **engine_kwargs) -> "Qwen3TTSInterface":
+                        max_streams: int | None = None, **engine_kwargs) -> "Qwen3TTSInterface":
         """Load a checkpoint directory, hub id, or a built-in name such as "tiny-random".
 
         Defaults: CUDA in bf16 when available, else CPU in fp32. Engine settings
@@ -99,7 +104,8 @@ class Qwen3TTSInterface:
         as keywords or as an EngineConfig. `multiprocess=True` runs the talker and the code
         predictor in two worker processes (the serving layout), optionally on different devices,
         and (unless codec_worker=False) streaming audio decodes in a codec worker process that
-        batches the chunks of all streams.
+        batches the chunks of all streams. `max_streams` (default 4 x max_num_seqs, the server's default
+        queue) bounds the live streams, each holding decoder state; one more fails with StreamsBusyError.
         """
         from qwen_tts import Qwen3TTSTokenizer
         from qwen_tts.core.models import Qwen3TTSConfig, Qwen3TTSProcessor
@@ -109,11 +115,12 @@ class Qwen3TTSInterface:
         cfg = engine_config or EngineConfig(**engine_kwargs)
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+        max_streams = max_streams or 4 * cfg.max_num_seqs
         codec = None
         if multiprocess if codec_worker is None else codec_worker:
             from ..workers.codec_worker import CodecWorkerClient
             # first: the talker sizes its KV cache from the GPU memory left after the other workers load
-            codec = CodecWorkerClient(model_dir, talker_device or str(device), dtype)
+            codec = CodecWorkerClient(model_dir, talker_device or str(device), dtype, max_streams=max_streams)
         engine = LLMEngine(model_dir, cfg, device=device, dtype=dtype, multiprocess=multiprocess,
                            talker_device=talker_device, predictor_device=predictor_device)
         AutoConfig.register("qwen3_tts", Qwen3TTSConfig, exist_ok=True)
@@ -127,7 +134,7 @@ class Qwen3TTSInterface:
         gen_path = model_dir / "generation_config.json"
         defaults = json.loads(gen_path.read_text()) if gen_path.is_file() else {}
         return cls(model_dir, EngineThread(engine), processor, speech_tokenizer, speaker_encoder, defaults,
-                   engine.model_cfg, engine.device, engine.dtype, codec)
+                   engine.model_cfg, engine.device, engine.dtype, codec, max_streams)
 
     def close(self) -> None:
         self.engine.shutdown()
@@ -219,7 +226,8 @@ class Qwen3TTSInterface:
         return dict(running=len(eng.scheduler.running), waiting=len(eng.scheduler.waiting),
                     kv_blocks_total=bm.num_blocks, kv_blocks_free=bm.num_free_blocks,
                     kv_usage=1 - bm.num_free_blocks / bm.num_blocks, preemptions=eng.scheduler.num_preemptions,
-                    max_num_seqs=eng.cfg.max_num_seqs,
+                    max_num_seqs=eng.cfg.max_num_seqs, codec_streams=self.codecs.slots.in_use(),
+                    codec_streams_max=self.codecs.slots.n,
                     alive=float(self.engine.is_alive() and (self.codec_worker is None or self.codec_worker.is_alive())))
 
     # ---- asyncio --------------------------------------------------------------------------
@@ -242,15 +250,17 @@ class Qwen3TTSInterface:
                                                non_streaming_mode: bool = True, chunk_size: int = 12,
                                                first_chunk_size: int = 4, **kwargs) -> AsyncIterator[np.ndarray]:
         jobs = self._custom_voice_jobs(_one(text), speaker, language, instruct, non_streaming_mode, kwargs)
-        async for chunk in self._astream(jobs[0], chunk_size, first_chunk_size):
-            yield chunk
+        async with aclosing(self._astream(jobs[0], chunk_size, first_chunk_size)) as chunks:
+            async for chunk in chunks:  # closing this generator closes that one now, not when collected
+                yield chunk
 
     async def agenerate_voice_design_streaming(self, text: str, instruct: str, language=None,
                                                non_streaming_mode: bool = True, chunk_size: int = 12,
                                                first_chunk_size: int = 4, **kwargs) -> AsyncIterator[np.ndarray]:
         jobs = self._voice_design_jobs(_one(text), instruct, language, non_streaming_mode, kwargs)
-        async for chunk in self._astream(jobs[0], chunk_size, first_chunk_size):
-            yield chunk
+        async with aclosing(self._astream(jobs[0], chunk_size, first_chunk_size)) as chunks:
+            async for chunk in chunks:  # closing this generator closes that one now, not when collected
+                yield chunk
 
     async def agenerate_voice_clone_streaming(self, text: str, language=None, ref_audio=None, ref_text=None,
                                               x_vector_only_mode=False, voice_clone_prompt=None,
@@ -258,8 +268,9 @@ class Qwen3TTSInterface:
                                               first_chunk_size: int = 4, **kwargs) -> AsyncIterator[np.ndarray]:
         jobs = await asyncio.to_thread(self._voice_clone_jobs, _one(text), language, ref_audio, ref_text,
                                        x_vector_only_mode, voice_clone_prompt, non_streaming_mode, kwargs)
-        async for chunk in self._astream(jobs[0], chunk_size, first_chunk_size):
-            yield chunk
+        async with aclosing(self._astream(jobs[0], chunk_size, first_chunk_size)) as chunks:
+            async for chunk in chunks:  # closing this generator closes that one now, not when collected
+                yield chunk
 
     # ---- voice-clone prompts --------------------------------------------------------------
     @torch.inference_mode()
@@ -455,51 +466,45 @@ class Qwen3TTSInterface:
             out.append(wav)
         return out, sr
 
-    def _streaming_decoder(self, job: TTSRequest, chunk_size: int, first_chunk_size: int) -> StreamingDecoder:
-        context = job.ref_codes.tolist() if job.ref_codes is not None else None  # ICL: decode context, not emitted
-        return StreamingDecoder(self.speech_tokenizer.get_decode_upsample_rate(), chunk_size, first_chunk_size,
-                                context=context)
-
-    def _decode_window(self, window: DecodeWindow) -> np.ndarray:
-        if self.codec_worker is not None:
-            return self.codec_worker.submit(window).result()
-        return decode_windows(self.speech_tokenizer.model, [window])[0]
-
-    async def _adecode_window(self, window: DecodeWindow) -> np.ndarray:
-        if self.codec_worker is not None:
-            return await asyncio.wrap_future(self.codec_worker.submit(window))
-        return (await asyncio.to_thread(decode_windows, self.speech_tokenizer.model, [window]))[0]
-
     def _stream(self, job: TTSRequest, chunk_size: int, first_chunk_size: int) -> Iterator[np.ndarray]:
-        dec = self._streaming_decoder(job, chunk_size, first_chunk_size)
-        stream = self._submit([job])[0]
+        plan = ChunkPlanner(chunk_size, first_chunk_size)
+        codec = self._open_codec(job)
+        stream = None
         try:
+            codec.start()
+            stream = self._submit([job])[0]
             for frame in stream:
-                window = dec.push(frame)
-                if window is not None:
-                    yield self._decode_window(window)
-            window = dec.flush()
-            if window is not None:
-                yield self._decode_window(window)
+                if (chunk := plan.push(frame)) is not None:
+                    yield codec.decode(chunk)
+            if (chunk := plan.flush()) is not None:
+                yield codec.decode(chunk)
         finally:
-            if stream.finish_reason is None:
+            if stream is not None and stream.finish_reason is None:
                 stream.abort()
+            codec.close()
 
     async def _astream(self, job: TTSRequest, chunk_size: int, first_chunk_size: int) -> AsyncIterator[np.ndarray]:
         """Decoding never runs on the event loop: a worker thread, or the batched codec worker."""
-        dec = self._streaming_decoder(job, chunk_size, first_chunk_size)
-        stream = self._submit([job], loop=asyncio.get_running_loop())[0]
+        plan = ChunkPlanner(chunk_size, first_chunk_size)
+        codec = self._open_codec(job)
+        stream = None
         try:
+            await codec.astart()
+            stream = self._submit([job], loop=asyncio.get_running_loop())[0]
             async for frame in stream.aiter():
-                window = dec.push(frame)
-                if window is not None:
-                    yield await self._adecode_window(window)
-            window = dec.flush()
-            if window is not None:
-                yield await self._adecode_window(window)
+                if (chunk := plan.push(frame)) is not None:
+                    yield await codec.adecode(chunk)
+            if (chunk := plan.flush()) is not None:
+                yield await codec.adecode(chunk)
         finally:
-            if stream.finish_reason is None:
+            if stream is not None and stream.finish_reason is None:
                 stream.abort()
+            codec.close()
+
+    def _open_codec(self, job: TTSRequest) -> CodecStream:
+        """A decoder slot for one stream (StreamsBusyError when all are taken); ICL reference codes are
+        decoded first as context, and never emitted."""
+        return self.codecs.open(job.ref_codes)
 
 
 def _one(text) -> str:

@@ -22,6 +22,8 @@ class _EngineCollector:
                          ("kv_blocks_free", "Free KV-cache blocks."),
                          ("kv_blocks_total", "KV-cache blocks in all."),
                          ("preemptions", "Sequences preempted since start."),
+                         ("codec_streams", "Live streams holding a streaming decoder slot."),
+                         ("codec_streams_max", "Streaming decoder slots in all (more streams get 429)."),
                          ("alive", "1 while the engine runs.")):
             name = {"running": "requests_running", "waiting": "requests_waiting"}.get(key, key)
             yield GaugeMetricFamily(f"{PREFIX}_{name}", doc, value=float(s.get(key, 0)))

@@ -17,6 +17,7 @@ import numpy as np
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
+from ..models.codec_decoder import StreamsBusyError
 from .audio_formats import CONTENT_TYPES, encode, pcm16_bytes, wav_header
 from .errors import APIError, param_for
 from .protocol import RESPONSE_FORMATS, STREAMABLE_FORMATS, TASK_TYPES, SpeechRequest
@@ -96,6 +97,8 @@ def build(state: "ServerState", body: SpeechRequest, task: str):
 def engine_failure(state: "ServerState", e: Exception) -> APIError:
     if isinstance(e, ValueError):
         return APIError(400, str(e), param_for(str(e)))
+    if isinstance(e, StreamsBusyError):  # every streaming decoder slot is taken: like a full queue
+        return APIError(429, f"the server is full: {e}", None, "streams_busy", {"Retry-After": "1"})
     if not state.tts.stats().get("alive", 0):
         return APIError(503, f"the engine is not running ({e}); retry later", None, "engine_unavailable")
     return APIError(500, f"generation failed: {e}", None, "generation_failed")

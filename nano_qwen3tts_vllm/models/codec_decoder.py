@@ -1,0 +1,307 @@
+"""Exact incremental decoding of codec frames to audio, for many streams at once.
+
+The 12 Hz codec decoder (qwen-tts `Qwen3TTSTokenizerV2Decoder`) is causal end to end: causal convolutions,
+transposed convolutions, and a transformer whose attention looks 72 frames back. So a stream can be decoded
+a few frames at a time, carrying per stream only what the next frames will read: the last (kernel - 1)
+inputs of every causal convolution, the last input frame(s) of every transposed convolution, and each
+attention layer's keys and values of the last 71 frames. The audio then equals the one-shot decode of the
+whole stream, however long, to float rounding.
+
+`StreamingCodecDecoder` keeps that state for `max_streams` slots in preallocated buffers. `decode` gathers
+the state of its slots, runs the math with the reference's own weights, and scatters the new state back:
+fixed shapes for a fixed (batch, frames), no host syncs, so one call can be captured in a CUDA graph.
+"""
+from __future__ import annotations
+
+import asyncio
+import math
+import threading
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class StreamingCodecDecoder:
+    """Incremental decoder over a loaded `Qwen3TTSTokenizerV2Decoder` (shares its weights).
+
+    Not thread-safe: one `decode`/`reset` at a time. The slots of one call must be distinct.
+    """
+
+    def __init__(self, decoder: nn.Module, max_streams: int):
+        if max_streams < 1:
+            raise ValueError(f"max_streams must be >= 1, got {max_streams}")
+        p = next(decoder.parameters())
+        self.device, self.dtype = p.device, p.dtype
+        self.ref, self.max_streams = decoder, max_streams
+        self.upsample = int(decoder.total_upsample)   # audio samples per frame
+        self.num_quantizers = decoder.config.num_quantizers
+        self.past = decoder.config.sliding_window - 1  # a frame attends to itself and this many before it
+        tf = decoder.pre_transformer
+        self.inv_freq, self.rope_scale = tf.rotary_emb.inv_freq.float(), tf.rotary_emb.attention_scaling
+        self._codebooks(decoder.quantizer)
+        self.state: dict[nn.Module, torch.Tensor] = {}  # per module: [max_streams, ...] carried inputs
+        self.snake: dict[nn.Module, tuple[torch.Tensor, torch.Tensor]] = {}
+        for m in decoder.modules():
+            self._prepare(m)
+        self.pos = torch.zeros(max_streams, dtype=torch.long, device=self.device)  # frames decoded per slot
+
+    # ---- setup -----------------------------------------------------------------------------
+    def _codebooks(self, q: nn.Module) -> None:
+        vqs = list(q.rvq_first.vq.layers) + list(q.rvq_rest.vq.layers)
+        _support(all(isinstance(vq.project_out, nn.Identity) for vq in vqs), "codebook output projections")
+        books = [vq._codebook for vq in vqs]
+        with torch.no_grad():
+            self.books = torch.stack([b.embedding_sum / b.cluster_usage.clamp(min=b.epsilon)[:, None] for b in books])
+        self.n_first = q.n_q_semantic
+        self.proj_first, self.proj_rest = q.rvq_first.output_proj.weight[..., 0], q.rvq_rest.output_proj.weight[..., 0]
+
+    def _alloc(self, m: nn.Module, *shape: int) -> None:
+        self.state[m] = torch.zeros(self.max_streams, *shape, dtype=self.dtype, device=self.device)
+
+    def _prepare(self, m: nn.Module) -> None:
+        name = type(m).__name__
+        if name == "Qwen3TTSTokenizerV2CausalConvNet":
+            _support(m.stride == 1, "strided causal convolutions")
+            if m.kernel_size > 1:
+                self._alloc(m, m.conv.in_channels, m.kernel_size - 1)
+        elif name == "Qwen3TTSTokenizerV2CausalTransConvNet":
+            c = m.conv
+            _support(c.padding == (0,) and c.output_padding == (0,) and c.dilation == (1,) and m.left_pad == 0,
+                     "padded or dilated transposed convolutions")
+            carry = math.ceil(c.kernel_size[0] / c.stride[0]) - 1  # earlier input frames an output frame reads
+            if carry:
+                self._alloc(m, c.in_channels, carry)
+        elif name == "Qwen3TTSTokenizerV2DecoderAttention":
+            _support(isinstance(m.q_norm, nn.Identity) and isinstance(m.k_norm, nn.Identity), "q/k norms")
+            self._alloc(m, 2, m.config.num_key_value_heads, self.past, m.head_dim)
+        elif name == "SnakeBeta":
+            with torch.no_grad():
+                self.snake[m] = (m.alpha.exp()[None, :, None], (1.0 / (m.beta.exp() + m.no_div_by_zero))[None, :, None])
+
+    # ---- public ----------------------------------------------------------------------------
+    @torch.inference_mode()
+    def reset(self, slots: torch.Tensor) -> None:
+        """Start these slots fresh (zero history == the reference's left zero padding)."""
+        for buf in self.state.values():
+            buf.index_fill_(0, slots, 0)
+        self.pos.index_fill_(0, slots, 0)
+
+    @torch.inference_mode()
+    def decode(self, slots: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
+        """Feed T new frames `codes` [B, T, num_quantizers] to each slot in `slots` [B] (both long, on the
+        decoder's device); returns their audio [B, T * upsample] and advances the slots' state."""
+        if codes.dim() != 3 or codes.shape[0] != slots.shape[0] or codes.shape[2] != self.num_quantizers:
+            raise ValueError(f"codes must be [B, T, {self.num_quantizers}] for B={slots.shape[0]} slots, "
+                             f"got {tuple(codes.shape)}")
+        st = {m: buf.index_select(0, slots) for m, buf in self.state.items()}
+        pos = self.pos.index_select(0, slots)
+        d = self.ref
+        x = self._conv(self._quantize(codes), d.pre_conv, st)
+        x = self._transformer(x.transpose(1, 2), pos, st).transpose(1, 2)
+        for tconv, convnext in d.upsample:
+            x = self._convnext(self._tconv(x, tconv, st), convnext, st)
+        x = self._conv(x, d.decoder[0], st)
+        for block in d.decoder[1:-2]:
+            x = self._tconv(self._snake(x, block.block[0]), block.block[1], st)
+            for unit in block.block[2:]:
+                x = self._residual(x, unit, st)
+        x = self._conv(self._snake(x, d.decoder[-2]), d.decoder[-1], st)
+        for m, buf in self.state.items():
+            buf.index_copy_(0, slots, st[m])
+        self.pos.index_copy_(0, slots, pos + codes.shape[1])
+        return x.clamp(min=-1, max=1)[:, 0]
+
+    # ---- the decoder, piece by piece (x is [B, C, T] unless said otherwise) ----------------
+    def _quantize(self, codes: torch.Tensor) -> torch.Tensor:
+        e = self.books[torch.arange(self.num_quantizers, device=codes.device), codes]  # [B, T, Q, dim]
+        first = F.linear(e[:, :, :self.n_first].sum(2), self.proj_first)
+        rest = F.linear(e[:, :, self.n_first:].sum(2), self.proj_rest)
+        return (first + rest).transpose(1, 2)
+
+    def _conv(self, x: torch.Tensor, m: nn.Module, st: dict) -> torch.Tensor:
+        if m in st:
+            x = torch.cat([st[m], x], -1)
+            st[m] = x[..., -(m.kernel_size - 1):]
+        c = m.conv
+        return F.conv1d(x, c.weight, c.bias, dilation=c.dilation, groups=c.groups)
+
+    def _tconv(self, x: torch.Tensor, m: nn.Module, st: dict) -> torch.Tensor:
+        c, n = m.conv, x.shape[-1]
+        s, carry = c.stride[0], 0
+        if m in st:
+            carry = st[m].shape[-1]
+            x = torch.cat([st[m], x], -1)
+            st[m] = x[..., -carry:]
+        y = F.conv_transpose1d(x, c.weight, c.bias, stride=s)
+        return y[..., carry * s:(carry + n) * s]  # the carried frames' own outputs went out last call
+
+    def _snake(self, x: torch.Tensor, m: nn.Module) -> torch.Tensor:
+        alpha, inv_beta = self.snake[m]
+        return x + inv_beta * torch.pow(torch.sin(x * alpha), 2)
+
+    def _residual(self, x: torch.Tensor, m: nn.Module, st: dict) -> torch.Tensor:
+        h = self._conv(self._snake(x, m.act1), m.conv1, st)
+        return self._conv(self._snake(h, m.act2), m.conv2, st) + x
+
+    def _convnext(self, x: torch.Tensor, m: nn.Module, st: dict) -> torch.Tensor:
+        h = self._conv(x, m.dwconv, st).transpose(1, 2)
+        h = F.layer_norm(h, m.norm.normalized_shape, m.norm.weight, m.norm.bias, m.norm.eps)
+        h = F.gelu(F.linear(h, m.pwconv1.weight, m.pwconv1.bias), approximate=m.act.approximate)
+        h = m.gamma * F.linear(h, m.pwconv2.weight, m.pwconv2.bias)
+        return x + h.transpose(1, 2)
+
+    def _transformer(self, x: torch.Tensor, pos: torch.Tensor, st: dict) -> torch.Tensor:
+        """x [B, T, latent] -> [B, T, latent]; pos [B]: frames each slot has decoded before."""
+        tf = self.ref.pre_transformer
+        h = F.linear(x, tf.input_proj.weight, tf.input_proj.bias)
+        steps = torch.arange(x.shape[1], device=x.device)
+        cos, sin = self._rope(pos[:, None] + steps, h.dtype)
+        # key j of [past..., new...] is frame pos - past + j: inside the window, causal, and not before frame 0
+        keys = torch.arange(self.past + x.shape[1], device=x.device)
+        mask = (keys >= steps[:, None]) & (keys <= steps[:, None] + self.past)
+        mask = (mask & (keys >= self.past - pos[:, None, None]))[:, None]  # [B, 1, T, past + T]
+        for layer in tf.layers:
+            a = self._attention(_rms_norm(h, layer.input_layernorm), layer.self_attn, cos, sin, mask, st)
+            h = h + layer.self_attn_layer_scale.scale * a
+            mlp = layer.mlp
+            g = _rms_norm(h, layer.post_attention_layernorm)
+            g = F.linear(mlp.act_fn(F.linear(g, mlp.gate_proj.weight)) * F.linear(g, mlp.up_proj.weight),
+                         mlp.down_proj.weight)
+            h = h + layer.mlp_layer_scale.scale * g
+        return F.linear(_rms_norm(h, tf.norm), tf.output_proj.weight, tf.output_proj.bias)
+
+    def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.float()[..., None] * self.inv_freq
+        emb = torch.cat([freqs, freqs], -1)[:, None]  # [B, 1, T, head_dim]
+        return (emb.cos() * self.rope_scale).to(dtype), (emb.sin() * self.rope_scale).to(dtype)
+
+    def _attention(self, x: torch.Tensor, m: nn.Module, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
+                   st: dict) -> torch.Tensor:
+        b, t, _ = x.shape
+
+        def heads(proj: nn.Linear) -> torch.Tensor:
+            return F.linear(x, proj.weight, proj.bias).view(b, t, -1, m.head_dim).transpose(1, 2)
+        q, k, v = heads(m.q_proj), heads(m.k_proj), heads(m.v_proj)
+        q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        k, v = torch.cat([st[m][:, 0], k], 2), torch.cat([st[m][:, 1], v], 2)
+        st[m] = torch.stack([k[:, :, t:], v[:, :, t:]], 1)
+        if m.num_key_value_groups > 1:
+            k, v = k.repeat_interleave(m.num_key_value_groups, 1), v.repeat_interleave(m.num_key_value_groups, 1)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=m.scaling)
+        return F.linear(o.transpose(1, 2).reshape(b, t, -1), m.o_proj.weight, m.o_proj.bias)
+
+
+def _support(ok: bool, what: str) -> None:
+    if not ok:
+        raise NotImplementedError(f"this codec decoder has {what}, which StreamingCodecDecoder does not implement; "
+                                  "it follows the qwen-tts 0.1.1 Qwen3TTSTokenizerV2Decoder")
+
+
+def _rms_norm(x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
+    return norm.weight * h.to(x.dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, -1)
+    return torch.cat([-x2, x1], -1)
+
+
+class StreamsBusyError(RuntimeError):
+    """Every decoder slot is taken by a live stream."""
+
+
+class SlotPool:
+    """The free slots of a StreamingCodecDecoder, shared by threads. Taking one never waits: a server
+    would rather answer "busy, retry" at once than hold a request in a hidden queue."""
+
+    def __init__(self, n: int):
+        self.n = n
+        self.free = list(range(n - 1, -1, -1))
+        self.lock = threading.Lock()
+
+    def acquire(self) -> int:
+        with self.lock:
+            if not self.free:
+                raise StreamsBusyError(f"all {self.n} streaming decoder slots are in use by live streams; retry when "
+                                       "one ends, or raise max_streams")
+            return self.free.pop()
+
+    def release(self, slot: int) -> None:
+        with self.lock:
+            if slot in self.free:
+                raise RuntimeError(f"decoder slot {slot} was released twice (a stream closed twice?)")
+            self.free.append(slot)
+
+    def in_use(self) -> int:
+        with self.lock:
+            return self.n - len(self.free)
+
+
+class CodecStream:
+    """One stream's handle on a streaming decoder: start(), then decode(frames) per chunk, then close().
+    The async variants never block the event loop."""
+
+    def start(self) -> None:
+        raise NotImplementedError
+
+    def decode(self, frames: list[list[int]]) -> np.ndarray:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    async def astart(self) -> None:
+        await asyncio.to_thread(self.start)
+
+    async def adecode(self, frames: list[list[int]]) -> np.ndarray:
+        return await asyncio.to_thread(self.decode, frames)
+
+
+class LocalCodecStreams:
+    """Streaming decode in this process: one StreamingCodecDecoder and its slots, one call at a time."""
+
+    def __init__(self, decoder: nn.Module, max_streams: int):
+        self.decoder = StreamingCodecDecoder(decoder, max_streams)
+        self.slots = SlotPool(max_streams)
+        self.lock = threading.Lock()
+
+    def open(self, context: torch.Tensor | None = None) -> "LocalCodecStream":
+        """Take a slot (StreamsBusyError when none is free); `context` [T, Q] codes (ICL reference)
+        are decoded first by start() and their audio dropped."""
+        return LocalCodecStream(self, self.slots.acquire(), context)
+
+
+class LocalCodecStream(CodecStream):
+    def __init__(self, owner: LocalCodecStreams, slot: int, context: torch.Tensor | None):
+        self.owner, self.slot, self.context = owner, slot, context
+        self.slot_t = torch.tensor([slot], device=owner.decoder.device)
+        self.closed = False
+
+    def start(self) -> None:
+        dec = self.owner.decoder
+        with self.owner.lock:
+            self._check_open()
+            dec.reset(self.slot_t)
+            if self.context is not None and len(self.context):
+                dec.decode(self.slot_t, self.context.to(dec.device, torch.long)[None])
+
+    def decode(self, frames: list[list[int]]) -> np.ndarray:
+        dec = self.owner.decoder
+        codes = torch.tensor(frames, dtype=torch.long).to(dec.device)[None]
+        with self.owner.lock:
+            self._check_open()
+            return dec.decode(self.slot_t, codes)[0].float().cpu().numpy()
+
+    def _check_open(self) -> None:
+        # a closed stream's slot may already belong to another stream: never touch it again
+        if self.closed:
+            raise RuntimeError(f"decoder stream on slot {self.slot} is closed")
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self.owner.slots.release(self.slot)
