@@ -88,6 +88,7 @@ def main() -> None:
         print(json.dumps(dict(mode=mode, B=b, T=t, ms=round(ms, 3), audio_s_per_s=round(audio_s / ms * 1000, 1),
                               device=args.device, dtype=args.dtype, model=args.model, **extra)), flush=True)
 
+    keep = []
     for b in args.batches:
         slots = torch.arange(b, device=args.device)
         for t in args.chunks:
@@ -111,7 +112,7 @@ def main() -> None:
                 diff = (out.float() - eager).abs().max().item()  # the replay must do what the eager call does
                 ms = timed(graph.replay, args.device, args.iters, args.warmup)
                 report("graph", b, t, ms, frames_decoded_per_stream=t, graph_vs_eager_max_abs=diff)
-                del graph, out
+                keep.append((graph, out))  # graphs sharing a pool stay alive until the end
 
 
 if __name__ == "__main__":

@@ -439,8 +439,9 @@ class Worker:
         self._ours_stream(tts, F)
         if a.offline_n > 0:
             tts.generate_custom_voice([TEXT] * a.offline_n, max_new_tokens=WARM_FRAMES + 1, **kw)
-        if a.concurrency:
-            self._ours_wave(tts, max(a.concurrency), WARM_FRAMES, wave_timeout)
+        sweep_at = a.concurrency if a.ours_concurrency is None else a.ours_concurrency
+        if sweep_at:
+            self._ours_wave(tts, max(sweep_at), WARM_FRAMES, wave_timeout)
         # batch 1, whole
         walls = []
         for _ in range(a.repeats):
@@ -478,7 +479,7 @@ class Worker:
                                      max_num_seqs=a.max_num_seqs))
         # concurrency sweep
         sweep = []
-        for c in a.concurrency:
+        for c in sweep_at:
             recs, start, end = self._ours_wave(tts, c, F, wave_timeout)
             row = dict(concurrency=c, **wave_stats(recs, start, end, self.sr))
             sweep.append(row)
@@ -603,13 +604,13 @@ def run_http(args, model_dir: str, tmpdir: str) -> dict:
     deadline = time.perf_counter() + args.timeout_per_system
     port = free_port()
     base = f"http://127.0.0.1:{port}"
-    logf = os.path.join(tmpdir, "server.log")
+    logf = args.server_log or os.path.join(tmpdir, "server.log")
     max_c = max(args.concurrency) if args.concurrency else 1
     cmd = [sys.executable, "-m", "nano_qwen3tts_vllm.serve", "--model", model_dir, "--host", "127.0.0.1",
            "--port", str(port), "--device", args.device, "--dtype", "bfloat16" if cuda else "float32",
            "--max-num-seqs", str(args.max_num_seqs), "--max-queue", str(max(4 * args.max_num_seqs, 2 * max_c)),
            "--chunk-size", str(args.chunk_size), "--first-chunk-size", str(args.first_chunk_size),
-           "--log-level", "warning"]
+           "--log-level", "info" if args.server_log else "warning"]
     if cuda:
         cmd += ["--gpu-memory-utilization", str(args.gpu_memory_utilization)]
     res["server_cmd"] = " ".join(cmd[1:])
@@ -834,6 +835,8 @@ def parse_args(argv=None):
     ap.add_argument("--frames", type=int, default=125, help="frames per request (12.5 per second of audio)")
     ap.add_argument("--systems", nargs="+", default=list(ORDER), choices=ORDER)
     ap.add_argument("--concurrency", type=int, nargs="*", default=[1, 8, 32, 64, 128])
+    ap.add_argument("--ours-concurrency", type=int, nargs="*", default=None,
+                    help="ours (in-process, one thread per stream) sweep; default: --concurrency; empty = skip")
     ap.add_argument("--offline-n", type=int, default=256, help="ours: generate_custom_voice([text] * N); 0 = skip")
     ap.add_argument("--qwen-batch", type=int, default=32, help="qwen-tts batch size for the aggregate (1 = skip)")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.5, help="ours and ours-http (KV reservation)")
@@ -847,6 +850,8 @@ def parse_args(argv=None):
     ap.add_argument("--commit", default=None, help="git commit to record where the tree has no .git "
                                                    "(default: git rev-parse --short HEAD, else 'unknown')")
     ap.add_argument("--timeout-per-system", type=float, default=300.0, help="seconds; the system fails after it")
+    ap.add_argument("--server-log", default=None, help="ours-http: keep the server's log here (at INFO level: "
+                    "engine steps/s and per-step time every 10 s)")
     ap.add_argument("--out-json", default="benchmarks/compare.json")
     ap.add_argument("--out-png", default="benchmarks/compare.png")
     ap.add_argument("--_worker", help=argparse.SUPPRESS)

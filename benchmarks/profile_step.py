@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import time
 from collections import defaultdict
 
@@ -17,6 +18,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 64])
     ap.add_argument("--steps", type=int, default=50)
     args = ap.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     from nano_qwen3tts_vllm import Qwen3TTSInterface
     from nano_qwen3tts_vllm.engine.sequence import decode_batch
     tts = Qwen3TTSInterface.from_pretrained(args.model, max_num_seqs=max(args.batch))

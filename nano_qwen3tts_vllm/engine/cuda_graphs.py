@@ -41,7 +41,8 @@ class GraphPool:
             pool = g.pool() if pool is None else pool
             self.graphs[bs] = (g, out)
         torch.cuda.synchronize()
-        logger.info("captured %d CUDA graphs (batch sizes %s)", len(self.sizes), self.sizes)
+        logger.info("captured %d CUDA graphs (batch sizes %s); %.2f GiB allocated", len(self.sizes), self.sizes,
+                    torch.cuda.memory_allocated() / 2**30)
 
     def bucket(self, batch: int) -> int:
         return next(s for s in self.sizes if s >= batch)
@@ -65,3 +66,4 @@ class GraphPool:
     def run(self, inputs: dict[str, torch.Tensor]) -> tuple:
         self.load(inputs)
         return self.replay(next(iter(inputs.values())).shape[0])
+

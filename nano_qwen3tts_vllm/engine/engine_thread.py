@@ -39,7 +39,10 @@ class RequestStream:
     def _put(self, item) -> None:
         if self._async is not None:
             loop, q = self._async
-            loop.call_soon_threadsafe(q.put_nowait, item)
+            try:
+                loop.call_soon_threadsafe(q.put_nowait, item)
+            except RuntimeError:  # the loop was closed: nobody reads this stream any more
+                logger.debug("dropping an output of %s: its event loop is closed", self.request_id)
         else:
             self._queue.put(item)
 

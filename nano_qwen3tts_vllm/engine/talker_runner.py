@@ -105,50 +105,41 @@ class TalkerRunner:
     # ---- prefill --------------------------------------------------------------------------
     @torch.inference_mode()
     def prefill(self, seqs: list[PrefillRow]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Compute every uncached position; return (last hidden [B, H], codebook-0 logits [B, V] fp32)."""
-        text, codes, positions, slots, seqlens_q, seqlens_k = [], [], [], [], [], []
-        speaker_rows, speaker_vecs = [], []
-        offset = 0
-        for seq in seqs:
-            start, end = seq.num_cached_tokens, seq.num_tokens
-            text.append(seq.text_ids)
-            codes.append(seq.codes)
-            positions.append(np.arange(start, end))
-            slots += self._slots(seq, start, end)
-            seqlens_q.append(end - start)
-            seqlens_k.append(end)
-            if seq.speaker is not None:
-                speaker_rows.append(offset + seq.speaker_row)
-                speaker_vecs.append(seq.speaker)
-            offset += end - start
-        dev = self.device
-        embeds = self.model.embed(torch.from_numpy(np.concatenate(text)).to(dev),
-                                  torch.from_numpy(np.concatenate(codes)).to(dev))
-        if speaker_rows:
-            embeds[speaker_rows] += torch.from_numpy(np.stack(speaker_vecs)).to(dev, self.dtype)
-        cu_q = np.cumsum([0] + seqlens_q)
-        has_prefix = any(q != k for q, k in zip(seqlens_q, seqlens_k))
+        """Compute every uncached position; return (last hidden [B, H], codebook-0 logits [B, V] fp32).
+        Attention runs per sequence (torch backend): batch-invariant, so a seeded request's audio does
+        not depend on what it was prefilled with."""
+        lens = [s.num_tokens - s.num_cached_tokens for s in seqs]
+        inp = {k: torch.from_numpy(v).to(self.device) for k, v in self._prefill_arrays(seqs, lens).items()}
+        seqlens_k = [s.num_tokens for s in seqs]
+        has_prefix = any(q != k for q, k in zip(lens, seqlens_k))
         meta = PagedMetadata(
-            is_prefill=True, slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-            seqlens_q=seqlens_q, seqlens_k=seqlens_k, cu_seqlens_q=torch.tensor(cu_q, dtype=torch.int32, device=dev),
-            cu_seqlens_k=torch.tensor(np.cumsum([0] + seqlens_k), dtype=torch.int32, device=dev),
+            is_prefill=True, slot_mapping=inp["slot_mapping"], seqlens_q=lens, seqlens_k=seqlens_k,
+            cu_seqlens_q=torch.tensor(np.cumsum([0] + lens), dtype=torch.int32, device=self.device),
+            cu_seqlens_k=torch.tensor(np.cumsum([0] + seqlens_k), dtype=torch.int32, device=self.device),
             block_tables=self._block_tables(seqs, max(len(s.block_table) for s in seqs)) if has_prefix else None,
             has_prefix=has_prefix)
-        if not has_prefix and self.backend != "flash":
-            self._add_padding(meta, seqlens_q)
-        pos = torch.from_numpy(np.concatenate(positions)).to(dev)
-        hidden = self.model(embeds, pos, meta)[torch.from_numpy(cu_q[1:] - 1).to(dev)]
+        embeds = self.model.embed(inp["text_ids"], inp["codes"])
+        embeds = embeds.index_add(0, inp["speaker_row"], inp["speaker"].to(embeds.dtype))
+        hidden = self.model(embeds, inp["positions"], meta)[inp["last"]]
         return hidden, self.model.codec_head(hidden).float()
 
-    def _add_padding(self, meta: PagedMetadata, lens: list[int]) -> None:
-        """One attention call for the whole batch (see padded_prefill) instead of one per sequence."""
-        width, starts = max(lens), np.cumsum([0] + lens[:-1])
-        ar = np.arange(width)
-        pad = starts[:, None] + np.minimum(ar[None, :], np.array(lens)[:, None] - 1)
-        unpad = np.concatenate([b * width + np.arange(n) for b, n in enumerate(lens)])
-        dev = self.device
-        meta.pad_index, meta.unpad_index = torch.from_numpy(pad).to(dev), torch.from_numpy(unpad).to(dev)
-        meta.prefill_lens = torch.tensor(lens, dtype=torch.long, device=dev)
+    def _prefill_arrays(self, seqs: list[PrefillRow], lens: list[int]) -> dict[str, np.ndarray]:
+        """The prefill's token rows, packed: sequence b at rows starts[b] .. starts[b] + lens[b]."""
+        starts = np.cumsum([0] + lens[:-1])
+        T, B, g = sum(lens), len(seqs), self.model_cfg.num_code_groups
+        a = dict(text_ids=np.empty(T, dtype=np.int64), codes=np.empty((T, g), dtype=np.int64),
+                 positions=np.empty(T, dtype=np.int64), slot_mapping=np.empty(T, dtype=np.int64),
+                 last=starts + np.array(lens) - 1,
+                 speaker=np.zeros((B, self.model_cfg.talker.hidden_size), dtype=np.float32),
+                 speaker_row=starts.astype(np.int64))
+        for b, (seq, n) in enumerate(zip(seqs, lens)):
+            r = slice(starts[b], starts[b] + n)
+            a["text_ids"][r], a["codes"][r] = seq.text_ids, seq.codes
+            a["positions"][r] = np.arange(seq.num_cached_tokens, seq.num_tokens)
+            a["slot_mapping"][r] = self._slots(seq, seq.num_cached_tokens, seq.num_tokens)
+            if seq.speaker is not None:  # a Base model's x-vector, added to one position
+                a["speaker"][b], a["speaker_row"][b] = seq.speaker, starts[b] + seq.speaker_row
+        return a
 
     def admit(self, rows: list[PrefillRow]) -> None:
         """Sequences (re)entering their slots: their sampling settings and codebook-0 history so far."""

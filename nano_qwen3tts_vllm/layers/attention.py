@@ -26,10 +26,6 @@ class PagedMetadata:
     cu_seqlens_q: torch.Tensor | None = None
     cu_seqlens_k: torch.Tensor | None = None
     has_prefix: bool = False                   # some sequence reuses cached prefix blocks
-    # prefill without a cached prefix: the packed tokens as a padded [B, max_len] batch (see padded_prefill)
-    pad_index: torch.Tensor | None = None      # [B, max_len] int64: packed row of each padded position
-    unpad_index: torch.Tensor | None = None    # [tokens] int64: padded position of each packed row
-    prefill_lens: torch.Tensor | None = None   # [B] int64
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -61,19 +57,6 @@ def torch_prefill(q, k, v, k_cache, v_cache, meta: PagedMetadata, scale: float) 
         out[start_q:start_q + n] = o.transpose(0, 1)
         start_q += n
     return out
-
-
-def padded_prefill(q, k, v, meta: PagedMetadata, scale: float) -> torch.Tensor:
-    """All sequences in one attention call: packed [tokens, heads, D] -> padded [B, max_len], causal
-    with the padding keys masked, then back. No per-sequence host loop, so it compiles and fuses."""
-    qp, kp, vp = (x[meta.pad_index].transpose(1, 2) for x in (q, k, v))   # [B, heads, max_len, D]
-    if qp.shape[1] != kp.shape[1] and q.is_cuda:  # GQA: expanded, so the memory-efficient kernel applies
-        kp = kp.repeat_interleave(qp.shape[1] // kp.shape[1], dim=1)
-        vp = vp.repeat_interleave(qp.shape[1] // vp.shape[1], dim=1)
-    ar = torch.arange(meta.pad_index.shape[1], device=q.device)
-    mask = (ar[None, :, None] >= ar[None, None, :]) & (ar[None, None, :] < meta.prefill_lens[:, None, None])
-    o = _sdpa(qp, kp, vp, mask[:, None], scale)                            # padding queries see real keys: no NaN
-    return o.transpose(1, 2).flatten(0, 1)[meta.unpad_index]
 
 
 def torch_decode(q, k_cache, v_cache, meta: PagedMetadata, scale: float) -> torch.Tensor:
@@ -119,8 +102,6 @@ class PagedAttention(nn.Module):
                 return flash_prefill(q, k, v, self.k_cache, self.v_cache, meta, self.scale)
             return flash_decode(q, self.k_cache, self.v_cache, meta, self.scale)
         if meta.is_prefill:
-            if meta.pad_index is not None:
-                return padded_prefill(q, k, v, meta, self.scale)
             return torch_prefill(q, k, v, self.k_cache, self.v_cache, meta, self.scale)
         if self.backend == "triton":
             from .triton_attention import paged_decode

@@ -14,6 +14,7 @@ fixed shapes for a fixed (batch, frames), no host syncs, so one call can be capt
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import threading
 
@@ -21,6 +22,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from ..layers.fused import snake
+
+logger = logging.getLogger(__name__)
 
 
 class StreamingCodecDecoder:
@@ -35,6 +40,7 @@ class StreamingCodecDecoder:
         p = next(decoder.parameters())
         self.device, self.dtype = p.device, p.dtype
         self.ref, self.max_streams = decoder, max_streams
+        self.scratch_slot = max_streams  # one more slot: where padded rows of a CUDA-graph batch decode
         self.upsample = int(decoder.total_upsample)   # audio samples per frame
         self.num_quantizers = decoder.config.num_quantizers
         self.past = decoder.config.sliding_window - 1  # a frame attends to itself and this many before it
@@ -45,7 +51,7 @@ class StreamingCodecDecoder:
         self.snake: dict[nn.Module, tuple[torch.Tensor, torch.Tensor]] = {}
         for m in decoder.modules():
             self._prepare(m)
-        self.pos = torch.zeros(max_streams, dtype=torch.long, device=self.device)  # frames decoded per slot
+        self.pos = torch.zeros(max_streams + 1, dtype=torch.long, device=self.device)  # frames decoded per slot
 
     # ---- setup -----------------------------------------------------------------------------
     def _codebooks(self, q: nn.Module) -> None:
@@ -58,7 +64,7 @@ class StreamingCodecDecoder:
         self.proj_first, self.proj_rest = q.rvq_first.output_proj.weight[..., 0], q.rvq_rest.output_proj.weight[..., 0]
 
     def _alloc(self, m: nn.Module, *shape: int) -> None:
-        self.state[m] = torch.zeros(self.max_streams, *shape, dtype=self.dtype, device=self.device)
+        self.state[m] = torch.zeros(self.max_streams + 1, *shape, dtype=self.dtype, device=self.device)
 
     def _prepare(self, m: nn.Module) -> None:
         name = type(m).__name__
@@ -139,7 +145,7 @@ class StreamingCodecDecoder:
 
     def _snake(self, x: torch.Tensor, m: nn.Module) -> torch.Tensor:
         alpha, inv_beta = self.snake[m]
-        return x + inv_beta * torch.pow(torch.sin(x * alpha), 2)
+        return snake(x, alpha, inv_beta)
 
     def _residual(self, x: torch.Tensor, m: nn.Module, st: dict) -> torch.Tensor:
         h = self._conv(self._snake(x, m.act1), m.conv1, st)
@@ -191,6 +197,43 @@ class StreamingCodecDecoder:
             k, v = k.repeat_interleave(m.num_key_value_groups, 1), v.repeat_interleave(m.num_key_value_groups, 1)
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=m.scaling)
         return F.linear(o.transpose(1, 2).reshape(b, t, -1), m.o_proj.weight, m.o_proj.bias)
+
+
+class CodecGraphs:
+    """A streaming codec decoder's decode(slots, codes) through CUDA graphs, captured on first use per
+    (batch bucket, frames): the eager decode of a few frames is hundreds of small launches. Padded rows
+    decode into the decoder's scratch slot."""
+    MAX_FRAMES = 32   # longer chunks (rare: ICL context) run eagerly
+
+    def __init__(self, decoder: StreamingCodecDecoder, max_batch: int = 64):
+        self.dec, self.sizes = decoder, [b for b in (1, 2, 4, 8, 16, 32, 48, 64) if b < max_batch] + [max_batch]
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self.pool = torch.cuda.graph_pool_handle()
+
+    def decode(self, slots: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
+        B, T = codes.shape[:2]
+        if T > self.MAX_FRAMES or B > self.sizes[-1]:
+            return self.dec.decode(slots, codes)
+        key = (next(s for s in self.sizes if s >= B), T)
+        if key not in self.graphs:
+            self.graphs[key] = self._capture(*key, codes)
+        graph, s_slots, s_codes, out = self.graphs[key]
+        s_slots.fill_(self.dec.scratch_slot)
+        s_slots[:B].copy_(slots)
+        s_codes[:B].copy_(codes)
+        graph.replay()
+        return out[:B]
+
+    def _capture(self, bs: int, T: int, like: torch.Tensor):
+        slots = torch.full((bs,), self.dec.scratch_slot, dtype=torch.long, device=like.device)
+        codes = torch.zeros(bs, T, like.shape[2], dtype=torch.long, device=like.device)
+        self.dec.decode(slots, codes)  # warm-up (scratch slot only)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, self.pool):
+            out = self.dec.decode(slots, codes)
+        logger.info("captured the codec decode graph for %d streams x %d frames", bs, T)
+        return graph, slots, codes, out
 
 
 def _support(ok: bool, what: str) -> None:
@@ -266,6 +309,7 @@ class LocalCodecStreams:
 
     def __init__(self, decoder: nn.Module, max_streams: int):
         self.decoder = StreamingCodecDecoder(decoder, max_streams)
+        self.batched = CodecGraphs(self.decoder, 1) if self.decoder.device.type == "cuda" else self.decoder
         self.slots = SlotPool(max_streams)
         self.lock = threading.Lock()
 
@@ -294,7 +338,7 @@ class LocalCodecStream(CodecStream):
         codes = torch.tensor(frames, dtype=torch.long).to(dec.device)[None]
         with self.owner.lock:
             self._check_open()
-            return dec.decode(self.slot_t, codes)[0].float().cpu().numpy()
+            return self.owner.batched.decode(self.slot_t, codes)[0].float().cpu().numpy()
 
     def _check_open(self) -> None:
         # a closed stream's slot may already belong to another stream: never touch it again

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 import zmq
 
-from ..models.codec_decoder import CodecStream, SlotPool, StreamingCodecDecoder
+from ..models.codec_decoder import CodecGraphs, CodecStream, SlotPool, StreamingCodecDecoder
 from .protocol import launch, make_socket, poll, recv, send
 
 logger = logging.getLogger(__name__)
@@ -35,6 +35,7 @@ class CodecWorker:
 
     def __init__(self, decoder: StreamingCodecDecoder, results: zmq.Socket, max_batch: int):
         self.dec, self.results, self.max_batch = decoder, results, max_batch
+        self.batched = CodecGraphs(decoder, min(max_batch, 64)) if decoder.device.type == "cuda" else decoder
         self.slot: dict[int, int] = {}                                  # stream -> slot
         self.queue: dict[int, deque[tuple[int, torch.Tensor]]] = {}     # stream -> (job id, codes [T, Q])
         self.broken: dict[int, str] = {}                                # stream -> why it cannot go on
@@ -93,7 +94,7 @@ class CodecWorker:
         slots = torch.tensor([self.slot[sid] for sid in sids], device=self.dec.device)
         codes = torch.stack([c for _, c in jobs]).to(self.dec.device, torch.long)
         try:
-            wav = self.dec.decode(slots, codes).float().cpu()
+            wav = self.batched.decode(slots, codes).float().cpu()
         except Exception as e:  # noqa: BLE001 - every stream of the batch gets the error
             logger.exception("codec decode of %d streams failed", len(sids))
             for sid in sids:  # its state misses this chunk now: later chunks would be wrong
@@ -136,7 +137,7 @@ class CodecWorkerClient:
     """Starts the codec worker; opens streams on its decoder slots and hands out one future of float32
     audio per chunk."""
 
-    def __init__(self, model_dir: str | Path, device: str, dtype: torch.dtype, max_batch: int = 256,
+    def __init__(self, model_dir: str | Path, device: str, dtype: torch.dtype, max_batch: int = 64,
                  max_streams: int = 256, start_timeout_s: float = 600.0):
         self.dir = tempfile.mkdtemp(prefix="nano-qwen3tts-codec-")
         addrs = {n: f"ipc://{self.dir}/{n}" for n in ("inbox", "results")}
