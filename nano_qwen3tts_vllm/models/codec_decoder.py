@@ -200,15 +200,24 @@ class StreamingCodecDecoder:
 
 
 class CodecGraphs:
-    """A streaming codec decoder's decode(slots, codes) through CUDA graphs, captured on first use per
-    (batch bucket, frames): the eager decode of a few frames is hundreds of small launches. Padded rows
-    decode into the decoder's scratch slot."""
+    """A streaming codec decoder's decode(slots, codes) through CUDA graphs, one per (batch bucket,
+    frames): the eager decode of a few frames is hundreds of small launches. Padded rows decode into
+    the decoder's scratch slot. `lazy`: capture a missing shape on first use, which is only safe where
+    no other thread uses the GPU meanwhile (the codec worker); otherwise capture `frames` up front, while
+    the GPU is idle, and run other shapes eagerly."""
     MAX_FRAMES = 32   # longer chunks (rare: ICL context) run eagerly
 
-    def __init__(self, decoder: StreamingCodecDecoder, max_batch: int = 64):
-        self.dec, self.sizes = decoder, [b for b in (1, 2, 4, 8, 16, 32, 48, 64) if b < max_batch] + [max_batch]
+    def __init__(self, decoder: StreamingCodecDecoder, max_batch: int = 64, lazy: bool = True,
+                 frames: range = range(1, 17)):
+        self.dec, self.lazy = decoder, lazy
+        self.sizes = [b for b in (1, 2, 4, 8, 16, 32, 48, 64) if b < max_batch] + [max_batch]
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self.pool = torch.cuda.graph_pool_handle()
+        if not lazy:
+            for b in self.sizes:
+                for t in frames:
+                    self.graphs[b, t] = self._capture(b, t)
+            logger.info("captured %d codec decode graphs", len(self.graphs))
 
     def decode(self, slots: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
         B, T = codes.shape[:2]
@@ -216,7 +225,10 @@ class CodecGraphs:
             return self.dec.decode(slots, codes)
         key = (next(s for s in self.sizes if s >= B), T)
         if key not in self.graphs:
-            self.graphs[key] = self._capture(*key, codes)
+            if not self.lazy:
+                return self.dec.decode(slots, codes)
+            self.graphs[key] = self._capture(*key)
+            logger.info("captured the codec decode graph for %d streams x %d frames", *key)
         graph, s_slots, s_codes, out = self.graphs[key]
         s_slots.fill_(self.dec.scratch_slot)
         s_slots[:B].copy_(slots)
@@ -224,15 +236,15 @@ class CodecGraphs:
         graph.replay()
         return out[:B]
 
-    def _capture(self, bs: int, T: int, like: torch.Tensor):
-        slots = torch.full((bs,), self.dec.scratch_slot, dtype=torch.long, device=like.device)
-        codes = torch.zeros(bs, T, like.shape[2], dtype=torch.long, device=like.device)
+    def _capture(self, bs: int, T: int):
+        dev = self.dec.device
+        slots = torch.full((bs,), self.dec.scratch_slot, dtype=torch.long, device=dev)
+        codes = torch.zeros(bs, T, self.dec.num_quantizers, dtype=torch.long, device=dev)
         self.dec.decode(slots, codes)  # warm-up (scratch slot only)
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, self.pool):
+        with torch.cuda.graph(graph, self.pool, capture_error_mode="thread_local"):
             out = self.dec.decode(slots, codes)
-        logger.info("captured the codec decode graph for %d streams x %d frames", bs, T)
         return graph, slots, codes, out
 
 
@@ -309,7 +321,9 @@ class LocalCodecStreams:
 
     def __init__(self, decoder: nn.Module, max_streams: int):
         self.decoder = StreamingCodecDecoder(decoder, max_streams)
-        self.batched = CodecGraphs(self.decoder, 1) if self.decoder.device.type == "cuda" else self.decoder
+        # in-process, the engine thread shares the GPU: capture up front (while idle), never lazily
+        self.batched = (CodecGraphs(self.decoder, 1, lazy=False) if self.decoder.device.type == "cuda"
+                        else self.decoder)
         self.slots = SlotPool(max_streams)
         self.lock = threading.Lock()
 
