@@ -29,6 +29,7 @@ from ..sampling_params import SamplingParams
 from .audio import ChunkPlanner, load_audio
 
 logger = logging.getLogger(__name__)
+DECODE_GROUP = 16  # whole clips decoded per codec call
 
 MAX_TEXT_CHARS = 10000
 GEN_KEYS = ("do_sample", "top_k", "top_p", "temperature", "repetition_penalty", "subtalker_dosample",
@@ -452,12 +453,16 @@ class Qwen3TTSInterface:
         return await asyncio.to_thread(self._decode, jobs, frames)
 
     def _decode(self, jobs: list[TTSRequest], frames: list[list[list[int]]]) -> tuple[list[np.ndarray], int]:
-        """Decode as qwen-tts does: all together; ICL audio starts with the reference codes, then cut."""
+        """Decode as qwen-tts does, in groups of DECODE_GROUP clips (a batch of 256 decoded at once would
+        hold tens of GiB of codec activations); ICL audio starts with the reference codes, then cut."""
         codes = []
         for job, f in zip(jobs, frames):
             c = torch.tensor(f, dtype=torch.long).reshape(-1, self.model_cfg.num_code_groups)
             codes.append(c if job.ref_codes is None else torch.cat([job.ref_codes, c], dim=0))
-        wavs, sr = self.speech_tokenizer.decode([{"audio_codes": c} for c in codes])
+        wavs, sr = [], None
+        for i in range(0, len(codes), DECODE_GROUP):
+            group, sr = self.speech_tokenizer.decode([{"audio_codes": c} for c in codes[i:i + DECODE_GROUP]])
+            wavs += group
         out = []
         for job, c, wav in zip(jobs, codes, wavs):
             if job.ref_codes is not None:
