@@ -71,7 +71,6 @@ class TalkerRunner:
         for i, layer in enumerate(self.attn_layers):
             layer.k_cache, layer.v_cache = self.kv_cache[i, 0], self.kv_cache[i, 1]
             layer.backend = backend
-        self.backend = backend
         logger.info("talker KV cache: %d blocks of %d positions (%.2f GiB), %s attention", num_blocks,
                     self.block_size, self.kv_cache.numel() * self.dtype.itemsize / 2**30, backend)
         return num_blocks
@@ -106,7 +105,7 @@ class TalkerRunner:
     @torch.inference_mode()
     def prefill(self, seqs: list[PrefillRow]) -> tuple[torch.Tensor, torch.Tensor]:
         """Compute every uncached position; return (last hidden [B, H], codebook-0 logits [B, V] fp32).
-        Attention runs per sequence (torch backend): batch-invariant, so a seeded request's audio does
+        Attention runs per sequence (or varlen with flash-attn): batch-invariant, so a seeded request's audio does
         not depend on what it was prefilled with."""
         lens = [s.num_tokens - s.num_cached_tokens for s in seqs]
         inp = {k: torch.from_numpy(v).to(self.device) for k, v in self._prefill_arrays(seqs, lens).items()}
