@@ -28,7 +28,10 @@ def _gen(seed: int) -> torch.Generator:
 
 def _st(rows: list[tuple[bool, float, int, float, int]]) -> SamplingTensors:
     """rows of (do_sample, temperature, top_k, top_p, seed)."""
-    return SamplingTensors.build(rows, "cpu")
+    do_sample, temp, top_k, top_p, seeds = zip(*rows)
+    return SamplingTensors(torch.tensor(do_sample), torch.tensor(temp, dtype=torch.float32),
+                           torch.tensor(top_k, dtype=torch.long), torch.tensor(top_p, dtype=torch.float32),
+                           torch.tensor(seeds, dtype=torch.long))
 
 
 def _hf_warp_row(row: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:

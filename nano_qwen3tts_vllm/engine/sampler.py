@@ -64,17 +64,6 @@ class SamplingTensors:
     top_p: torch.Tensor         # [B] float32, 1 = off
     seeds: torch.Tensor         # [B] int64
 
-    @classmethod
-    def build(cls, rows: list[tuple[bool, float, int, float, int]], device) -> "SamplingTensors":
-        do_sample, temp, top_k, top_p, seeds = zip(*rows)
-        return cls(
-            do_sample=torch.tensor(do_sample, dtype=torch.bool, device=device),
-            temperature=torch.tensor(temp, dtype=torch.float32, device=device),
-            top_k=torch.tensor(top_k, dtype=torch.long, device=device),
-            top_p=torch.tensor(top_p, dtype=torch.float32, device=device),
-            seeds=torch.tensor(seeds, dtype=torch.long, device=device),
-        )
-
 
 class SlotSettings:
     """Sampling settings per sequence slot, on the device. Written once when a sequence is admitted,

@@ -63,9 +63,6 @@ class DecodeBatch:
     #                            the text id added to the frame fed back
     block_tables: np.ndarray   # [B, W] int32, padded with -1
 
-    def __len__(self) -> int:
-        return len(self.rows)
-
     @property
     def slots(self) -> np.ndarray:
         return self.rows[:, SLOT]
