@@ -17,11 +17,15 @@ def main() -> None:
     ap.add_argument("--model", default="random-1.7b-custom-voice-fixed")
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 64])
     ap.add_argument("--steps", type=int, default=50)
+    ap.add_argument("--kernels", action="store_true", help="also list the top GPU kernels of the steps (torch.profiler)")
+    ap.add_argument("--attention-backend", default="auto",
+                    help="torch = the unfused decode path (A/B against the fused Triton kernel)")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     from nano_qwen3tts_vllm import Qwen3TTSInterface
     from nano_qwen3tts_vllm.engine.sequence import decode_batch
-    tts = Qwen3TTSInterface.from_pretrained(args.model, max_num_seqs=max(args.batch))
+    tts = Qwen3TTSInterface.from_pretrained(args.model, max_num_seqs=max(args.batch),
+                                             attention_backend=args.attention_backend)
     eng = tts.engine.engine
     tts.engine.shutdown()  # drive the engine directly, on this thread
     text = "The quick brown fox jumps over the lazy dog, again and again, until the sun goes down."
@@ -66,8 +70,25 @@ def main() -> None:
                          ("talker", t4 - t3), ("bookkeeping", t5 - t4), ("total", t5 - t0)):
                 acc[k] += v
         print(f"batch {bs}: " + ", ".join(f"{k} {v / args.steps * 1000:.2f} ms" for k, v in acc.items()))
+        if args.kernels:
+            print_kernels(eng, bs, steps=5)
         for s in list(eng.seqs):
             eng.abort(s)
+
+
+def print_kernels(eng, bs: int, steps: int) -> None:
+    """GPU kernels of a few whole engine steps, by total time: where a step's time goes."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            eng.step()
+        torch.cuda.synchronize()
+    rows = [e for e in prof.key_averages() if e.self_device_time_total > 0]
+    rows.sort(key=lambda e: e.self_device_time_total, reverse=True)
+    total = sum(e.self_device_time_total for e in rows)
+    print(f"batch {bs}: {sum(e.count for e in rows) / steps:.0f} kernels per step, {total / steps / 1000:.2f} ms GPU")
+    for e in rows[:25]:
+        print(f"  {e.self_device_time_total / steps / 1000:7.3f} ms  {e.count / steps:6.0f}x  {e.key[:110]}")
 
 
 if __name__ == "__main__":

@@ -8,6 +8,30 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+
+if not torch.cuda.is_available():  # Triton kernels run in its interpreter on CPU (before any kernel is defined)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def _fix_triton_interpreter_loop_bounds() -> None:
+    """Triton 3.6's interpreter turns a tensor loop bound into an int with int(<1-element ndarray>), which
+    numpy >= 2.4 rejects ("only 0-dimensional arrays can be converted to Python scalars", triton#9171), so
+    `for i in range(0, tl.load(p), N)` fails on CPU although it compiles fine. Re-register __index__ after
+    the interpreter's own patching so the kernels run unchanged in both modes."""
+    try:
+        from triton.runtime import interpreter
+        original = interpreter._patch_lang_tensor
+    except (ImportError, AttributeError):  # no triton, or an interpreter laid out differently
+        return
+
+    def patch_lang_tensor(tensor, scope) -> None:
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+    interpreter._patch_lang_tensor = patch_lang_tensor
+
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    _fix_triton_interpreter_loop_bounds()
 from safetensors.torch import load_file, save_file
 
 from nano_qwen3tts_vllm.checkpoints import resolve_model

@@ -33,8 +33,12 @@ class PredictorRunner:
         shape = (c.num_layers, 2, cfg.max_num_seqs, g + 1, c.num_kv_heads, c.head_dim)
         self.kv_cache = torch.zeros(shape, dtype=dtype, device=device)
         layers = [m for m in self.model.modules() if isinstance(m, DenseAttention)]
+        fused = device.type == "cuda" and cfg.attention_backend != "torch"
+        rows = torch.arange(cfg.max_num_seqs + 1, dtype=torch.int32, device=device)[:, None]
         for i, layer in enumerate(layers):
             layer.k_cache, layer.v_cache = self.kv_cache[i, 0], self.kv_cache[i, 1]
+            layer.rows = rows if fused else None
+        self.positions = torch.arange(g + 1, device=device)  # views of it: no fill kernel per codebook step
         self.settings = SlotSettings(cfg.max_num_seqs, device)
         self.graphs = None
         if device.type == "cuda" and not cfg.enforce_eager:
@@ -47,11 +51,11 @@ class PredictorRunner:
     def frame_step(self, hidden: torch.Tensor, c0: torch.Tensor, st: SamplingTensors,
                    frame_idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """hidden [B, H] (talker, after final norm), c0 [B] -> codes [B, 16], frame embedding sum [B, H]."""
-        codec, B, dev = self.model.codec, hidden.shape[0], hidden.device
+        codec, B = self.model.codec, hidden.shape[0]
         embeds = [codec.lookup(0, c0)]
         codes = [c0]
         x = torch.stack([hidden, embeds[0]], dim=1)
-        pos = torch.arange(2, device=dev).expand(B, 2)
+        pos = self.positions[:2].expand(B, 2)
         h = self.model(x, pos, DenseMetadata(0, 2))[:, -1]
         for k in range(1, self.model_cfg.num_code_groups):
             logits = self.model.logits(h, k - 1).float()
@@ -59,7 +63,7 @@ class PredictorRunner:
             codes.append(ck)
             embeds.append(codec.lookup(k, ck))
             if k + 1 < self.model_cfg.num_code_groups:
-                pos = torch.full((B, 1), k + 1, device=dev, dtype=torch.long)
+                pos = self.positions[k + 1:k + 2].expand(B, 1)
                 h = self.model(embeds[-1][:, None], pos, DenseMetadata(k + 1, k + 2))[:, -1]
         return torch.stack(codes, dim=1), torch.stack(embeds, dim=1).sum(1)
 

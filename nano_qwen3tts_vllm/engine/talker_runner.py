@@ -105,17 +105,19 @@ class TalkerRunner:
     @torch.inference_mode()
     def prefill(self, seqs: list[PrefillRow]) -> tuple[torch.Tensor, torch.Tensor]:
         """Compute every uncached position; return (last hidden [B, H], codebook-0 logits [B, V] fp32).
-        Attention runs per sequence (or varlen with flash-attn): batch-invariant, so a seeded request's audio does
-        not depend on what it was prefilled with."""
+        Attention is per sequence (the torch loop) or varlen (Triton, flash-attn), batch-invariant either way: a
+        seeded request's audio does not depend on what it was prefilled with."""
         lens = [s.num_tokens - s.num_cached_tokens for s in seqs]
         inp = {k: torch.from_numpy(v).to(self.device) for k, v in self._prefill_arrays(seqs, lens).items()}
         seqlens_k = [s.num_tokens for s in seqs]
         has_prefix = any(q != k for q, k in zip(lens, seqlens_k))
+        paged = has_prefix or self.attn_layers[0].backend == "triton"  # Triton reads all keys from the cache
         meta = PagedMetadata(
             is_prefill=True, slot_mapping=inp["slot_mapping"], seqlens_q=lens, seqlens_k=seqlens_k,
             cu_seqlens_q=torch.tensor(np.cumsum([0] + lens), dtype=torch.int32, device=self.device),
             cu_seqlens_k=torch.tensor(np.cumsum([0] + seqlens_k), dtype=torch.int32, device=self.device),
-            block_tables=self._block_tables(seqs, max(len(s.block_table) for s in seqs)) if has_prefix else None,
+            context_lens=torch.tensor(seqlens_k, dtype=torch.int32, device=self.device),
+            block_tables=self._block_tables(seqs, max(len(s.block_table) for s in seqs)) if paged else None,
             has_prefix=has_prefix)
         embeds = self.model.embed(inp["text_ids"], inp["codes"])
         embeds = embeds.index_add(0, inp["speaker_row"], inp["speaker"].to(embeds.dtype))

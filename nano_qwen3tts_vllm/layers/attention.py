@@ -18,9 +18,9 @@ class PagedMetadata:
     """Per-step inputs of paged attention, built by the talker runner."""
     is_prefill: bool
     slot_mapping: torch.Tensor                 # [tokens] int64: cache slot of each new token
-    context_lens: torch.Tensor | None = None   # [B] int32: tokens in cache after this step (decode)
+    context_lens: torch.Tensor | None = None   # [B] int32: tokens in cache after this step
     block_tables: torch.Tensor | None = None   # [B, max_blocks] int32
-    # prefill only (host lists: the torch backend loops over sequences)
+    # prefill only (host lists: the torch backend loops over sequences; Triton sizes its grid by them)
     seqlens_q: list[int] | None = None
     seqlens_k: list[int] | None = None
     cu_seqlens_q: torch.Tensor | None = None
@@ -95,17 +95,27 @@ class PagedAttention(nn.Module):
         self.k_cache = self.v_cache = torch.tensor([])
         self.backend = "torch"
 
+    def fuses(self, meta: PagedMetadata) -> bool:
+        return self.backend == "triton" and not meta.is_prefill
+
+    def fused_decode(self, qkv, positions, q_norm, k_norm, rotary, meta: PagedMetadata) -> torch.Tensor:
+        """qkv [B, ...] before norms and RoPE -> attention output [B, Hq * D] (triton_attention)."""
+        from .triton_attention import fused_decode
+        return fused_decode(qkv, q_norm.weight, k_norm.weight, q_norm.eps, rotary.cos, rotary.sin, positions,
+                            self.k_cache, self.v_cache, meta.block_tables, self.num_heads, self.scale)
+
     def forward(self, q, k, v, meta: PagedMetadata) -> torch.Tensor:
         store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
         if self.backend == "flash":
             if meta.is_prefill:
                 return flash_prefill(q, k, v, self.k_cache, self.v_cache, meta, self.scale)
             return flash_decode(q, self.k_cache, self.v_cache, meta, self.scale)
+        if meta.is_prefill and self.backend == "triton":
+            from .triton_prefill import paged_prefill
+            return paged_prefill(q, self.k_cache, self.v_cache, meta.block_tables, meta.cu_seqlens_q,
+                                 meta.context_lens, max(meta.seqlens_q), self.scale)
         if meta.is_prefill:
             return torch_prefill(q, k, v, self.k_cache, self.v_cache, meta, self.scale)
-        if self.backend == "triton":
-            from .triton_attention import paged_decode
-            return paged_decode(q, self.k_cache, self.v_cache, meta.block_tables, meta.context_lens, self.scale)
         return torch_decode(q, self.k_cache, self.v_cache, meta, self.scale)
 
 
@@ -117,13 +127,25 @@ class DenseMetadata:
 
 
 class DenseAttention(nn.Module):
-    """Attention over a static [B, positions, kv_heads, head_dim] cache, one per layer."""
+    """Attention over a static [B, positions, kv_heads, head_dim] cache, one per layer. With `rows` set
+    ([max_rows, 1] int32 arange: row b is cache block b), one-token steps run the fused Triton kernel."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = head_dim ** -0.5
         self.k_cache = self.v_cache = torch.tensor([])
+        self.rows: torch.Tensor | None = None
+
+    def fuses(self, meta: DenseMetadata) -> bool:
+        return self.rows is not None and meta.end - meta.start == 1
+
+    def fused_decode(self, qkv, positions, q_norm, k_norm, rotary, meta: DenseMetadata) -> torch.Tensor:
+        """qkv [B, 1, ...], positions [B, 1] -> [B, Hq * D]."""
+        from .triton_attention import fused_decode
+        B = qkv.shape[0]
+        return fused_decode(qkv.view(B, -1), q_norm.weight, k_norm.weight, q_norm.eps, rotary.cos, rotary.sin,
+                            positions[:, 0], self.k_cache, self.v_cache, self.rows[:B], self.num_heads, self.scale)
 
     def forward(self, q, k, v, meta: DenseMetadata) -> torch.Tensor:
         """q/k/v: [B, n, heads, D] with n = end - start."""

@@ -29,7 +29,11 @@ class Qwen3Attention(nn.Module):
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta) -> torch.Tensor:
         lead = x.shape[:-1]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qkv = self.qkv_proj(x)
+        if self.attn.fuses(meta):  # one Triton kernel from here to o_proj (CUDA decode)
+            o = self.attn.fused_decode(qkv, positions, self.q_norm, self.k_norm, self.rotary, meta)
+            return self.o_proj(o.view(*lead, self.q_size))
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = self.q_norm(q.view(*lead, self.num_heads, self.head_dim))
         k = self.k_norm(k.view(*lead, self.num_kv_heads, self.head_dim))
         v = v.view(*lead, self.num_kv_heads, self.head_dim)
@@ -56,11 +60,19 @@ class Qwen3DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, positions: torch.Tensor, h: torch.Tensor, meta) -> torch.Tensor:
-        attn = self.self_attn(positions, self.input_layernorm(h), meta)
+    def forward(self, positions: torch.Tensor, h: torch.Tensor, residual: torch.Tensor | None,
+                meta) -> tuple[torch.Tensor, torch.Tensor]:
+        """(h, residual) -> (this layer's MLP output, the residual stream before it): the sum is
+        deferred to the next layer's fused add + RMSNorm, one kernel fewer per layer."""
+        norm = self.input_layernorm
+        if residual is None:
+            residual, x = h, norm(h)
+        else:
+            residual, x = add_rms_norm(h, residual, norm.weight, norm.eps)
+        attn = self.self_attn(positions, x, meta)
         norm = self.post_attention_layernorm
-        h, x = add_rms_norm(attn, h, norm.weight, norm.eps)
-        return h + self.mlp(x)
+        residual, x = add_rms_norm(attn, residual, norm.weight, norm.eps)
+        return self.mlp(x), residual
 
 
 class Qwen3Decoder(nn.Module):
@@ -75,7 +87,7 @@ class Qwen3Decoder(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, embeds: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:
-        h = embeds
+        h, residual = embeds, None
         for layer in self.layers:
-            h = layer(positions, h, meta)
-        return self.norm(h)
+            h, residual = layer(positions, h, residual, meta)
+        return add_rms_norm(h, residual, self.norm.weight, self.norm.eps)[1]
