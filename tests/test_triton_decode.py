@@ -124,3 +124,29 @@ def test_engine_frames_unchanged_with_triton_kernels(ckpt, ours):
     engine = new_engine(model_dir)
     assert force_fused(engine) == 4
     assert run(engine, requests, schedule) == expected
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU interpreter check; test_gpu.py runs the captured graphs")
+def test_padded_prefill_inputs_match_the_packed_prefill(ckpt, ours):
+    """What a prefill CUDA graph computes (inputs padded to a token bucket and to max_num_seqs sequences, run
+    here without capture) equals the packed prefill, for every real sequence."""
+    from test_batching import TEXTS, new_engine
+    from conftest import GREEDY
+    model_dir = ckpt("tiny-random")
+    tts = ours(model_dir)
+    engine = new_engine(model_dir)
+    force_fused(engine)
+    for text in TEXTS[:3]:
+        job = tts._custom_voice_jobs(text, "vivian", "english", None, True, dict(max_new_tokens=4, **GREEDY))[0]
+        engine.add_request(job.prompt, job.params)
+    seqs, is_prefill = engine.scheduler.schedule()
+    assert is_prefill and len(seqs) == 3
+    rows = [s.prefill_row() for s in seqs]
+    talker = engine.executor.talker
+    hidden, logits = talker.prefill(rows)
+    lens = [r.num_tokens - r.num_cached_tokens for r in rows]
+    bucket = 2 * sum(lens)
+    arrays = talker._prefill_arrays(rows, lens, bucket, engine.cfg.max_num_seqs, talker.max_blocks_per_seq)
+    padded = talker._padded_prefill_body({k: torch.from_numpy(v) for k, v in arrays.items()}, bucket)
+    torch.testing.assert_close(padded[0][:3], hidden, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(padded[1][:3], logits, atol=1e-5, rtol=1e-5)

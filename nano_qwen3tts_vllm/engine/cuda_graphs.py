@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 from typing import Callable
 
+import numpy as np
 import torch
 
 logger = logging.getLogger(__name__)
@@ -30,6 +31,12 @@ class GraphPool:
                        for k, v in rows.items()}
         self.sizes = batch_sizes(max_bs)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple]] = {}
+        with torch.inference_mode():  # with autograd on, captures keep every layer's activations alive
+            self._capture_all(fn)
+        logger.info("captured %d CUDA graphs (batch sizes %s); %.2f GiB allocated", len(self.sizes), self.sizes,
+                    torch.cuda.memory_allocated() / 2**30)
+
+    def _capture_all(self, fn: Callable[[dict], tuple]) -> None:
         pool = None
         for bs in reversed(self.sizes):
             inp = {k: v[:bs] for k, v in self.static.items()}
@@ -41,8 +48,6 @@ class GraphPool:
             pool = g.pool() if pool is None else pool
             self.graphs[bs] = (g, out)
         torch.cuda.synchronize()
-        logger.info("captured %d CUDA graphs (batch sizes %s); %.2f GiB allocated", len(self.sizes), self.sizes,
-                    torch.cuda.memory_allocated() / 2**30)
 
     def bucket(self, batch: int) -> int:
         return next(s for s in self.sizes if s >= batch)
@@ -67,3 +72,46 @@ class GraphPool:
         self.load(inputs)
         return self.replay(next(iter(inputs.values())).shape[0])
 
+
+
+class PrefillGraphs:
+    """CUDA graphs of a prefill per token bucket. Per-token inputs are padded to the bucket, per-sequence inputs
+    to the maximum number of sequences (the caller pads: see TalkerRunner._prefill_arrays)."""
+
+    def __init__(self, fn: Callable[[dict, int], tuple], example: dict[str, np.ndarray], token_inputs: tuple[str, ...],
+                 buckets: tuple[int, ...], device: torch.device):
+        """example: padded inputs for the largest bucket; fn(inputs, tokens) -> outputs."""
+        self.buckets, self.max_tokens, self.token_inputs = buckets, buckets[-1], token_inputs
+        self.static = {k: torch.from_numpy(v).to(device) for k, v in example.items()}
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple]] = {}
+        with torch.inference_mode():
+            self._capture_all(fn)
+        logger.info("captured %d prefill CUDA graphs (tokens %s); %.2f GiB allocated", len(buckets), list(buckets),
+                    torch.cuda.memory_allocated() / 2**30)
+
+    def _capture_all(self, fn: Callable[[dict, int], tuple]) -> None:
+        pool = None
+        for T in reversed(self.buckets):
+            inp = self._inputs(T)
+            fn(inp, T)  # warm-up: kernel compilation, allocator
+            torch.cuda.synchronize()
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool):
+                out = fn(inp, T)
+            pool = g.pool() if pool is None else pool
+            self.graphs[T] = (g, out)
+        torch.cuda.synchronize()
+
+    def _inputs(self, tokens: int) -> dict[str, torch.Tensor]:
+        return {k: v[:tokens] if k in self.token_inputs else v for k, v in self.static.items()}
+
+    def bucket(self, tokens: int) -> int:
+        return next(b for b in self.buckets if b >= tokens)
+
+    def run(self, tokens: int, arrays: dict[str, np.ndarray]) -> tuple:
+        """arrays: padded to `tokens` (a bucket) rows and to the maximum number of sequences."""
+        for k, v in self._inputs(tokens).items():
+            v.copy_(torch.from_numpy(arrays[k]))
+        g, out = self.graphs[tokens]
+        g.replay()
+        return out

@@ -13,11 +13,14 @@ from ..config import EngineConfig, ModelConfig
 from ..layers.attention import PagedAttention, PagedMetadata
 from ..models.loader import load_weights
 from ..models.talker import Talker
-from .cuda_graphs import GraphPool
+from .cuda_graphs import GraphPool, PrefillGraphs
 from .sampler import SlotSettings, apply_penalties, sample
 from .sequence import NUM_C0, NUM_TOKENS, SLOT, TEXT_ID, DecodeBatch, PrefillRow
 
 logger = logging.getLogger(__name__)
+
+PREFILL_BUCKETS = (32, 64, 128, 256, 512, 1024, 2048)   # prompt tokens per prefill graph; larger ones run eagerly
+TOKEN_INPUTS = ("text_ids", "codes", "positions", "slot_mapping")  # per token; the other inputs are per sequence
 
 
 def talker_settings(row: PrefillRow) -> dict:
@@ -46,9 +49,11 @@ class TalkerRunner:
         self.suppress = torch.zeros(V, dtype=torch.bool, device=device)
         self.suppress[model_cfg.suppressed_ids] = True
         self._true = torch.ones((), dtype=torch.bool, device=device)
-        self.graphs = None
+        self.graphs = self.prefill_graphs = None
         if device.type == "cuda" and not cfg.enforce_eager:
             self.graphs = GraphPool(self._decode_body, *self._graph_rows(), cfg.max_num_seqs)
+            if self.attn_layers[0].backend == "triton":  # the torch prefill loops on the host: not capturable
+                self.prefill_graphs = self._capture_prefill()
 
     # ---- KV cache -------------------------------------------------------------------------
     def _allocate_kv_cache(self) -> int:
@@ -97,50 +102,75 @@ class TalkerRunner:
         bs = self.block_size
         return [seq.block_table[p // bs] * bs + p % bs for p in range(start, end)]
 
-    def _block_tables(self, seqs: list[PrefillRow], width: int) -> torch.Tensor:
-        rows = [s.block_table + [self.scratch_block] * (width - len(s.block_table)) for s in seqs]
-        return torch.tensor(rows, dtype=torch.int32, device=self.device)
-
     # ---- prefill --------------------------------------------------------------------------
     @torch.inference_mode()
     def prefill(self, seqs: list[PrefillRow]) -> tuple[torch.Tensor, torch.Tensor]:
         """Compute every uncached position; return (last hidden [B, H], codebook-0 logits [B, V] fp32).
         Attention is per sequence (the torch loop) or varlen (Triton, flash-attn), batch-invariant either way: a
-        seeded request's audio does not depend on what it was prefilled with."""
+        seeded request's audio does not depend on what it was prefilled with. With Triton on CUDA, prefills of up
+        to PREFILL_BUCKETS[-1] tokens replay a CUDA graph of the next token bucket."""
         lens = [s.num_tokens - s.num_cached_tokens for s in seqs]
-        inp = {k: torch.from_numpy(v).to(self.device) for k, v in self._prefill_arrays(seqs, lens).items()}
+        B = len(seqs)
+        if self.prefill_graphs is not None and sum(lens) <= self.prefill_graphs.max_tokens:
+            bucket = self.prefill_graphs.bucket(sum(lens))
+            arrays = self._prefill_arrays(seqs, lens, bucket, self.cfg.max_num_seqs, self.max_blocks_per_seq)
+            hidden, logits = self.prefill_graphs.run(bucket, arrays)
+            return hidden[:B], logits[:B]
+        width = max(len(s.block_table) for s in seqs)
+        inp = {k: torch.from_numpy(v).to(self.device) for k, v in self._prefill_arrays(seqs, lens, width=width).items()}
         seqlens_k = [s.num_tokens for s in seqs]
         has_prefix = any(q != k for q, k in zip(lens, seqlens_k))
         paged = has_prefix or self.attn_layers[0].backend == "triton"  # Triton reads all keys from the cache
         meta = PagedMetadata(
             is_prefill=True, slot_mapping=inp["slot_mapping"], seqlens_q=lens, seqlens_k=seqlens_k,
-            cu_seqlens_q=torch.tensor(np.cumsum([0] + lens), dtype=torch.int32, device=self.device),
+            cu_seqlens_q=inp["cu_seqlens_q"], context_lens=inp["context_lens"],
             cu_seqlens_k=torch.tensor(np.cumsum([0] + seqlens_k), dtype=torch.int32, device=self.device),
-            context_lens=torch.tensor(seqlens_k, dtype=torch.int32, device=self.device),
-            block_tables=self._block_tables(seqs, max(len(s.block_table) for s in seqs)) if paged else None,
-            has_prefix=has_prefix)
+            block_tables=inp["block_tables"] if paged else None, has_prefix=has_prefix)
+        return self._prefill_body(inp, meta)
+
+    def _prefill_body(self, inp: dict[str, torch.Tensor], meta: PagedMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         embeds = self.model.embed(inp["text_ids"], inp["codes"])
         embeds = embeds.index_add(0, inp["speaker_row"], inp["speaker"].to(embeds.dtype))
         hidden = self.model(embeds, inp["positions"], meta)[inp["last"]]
         return hidden, self.model.codec_head(hidden).float()
 
-    def _prefill_arrays(self, seqs: list[PrefillRow], lens: list[int]) -> dict[str, np.ndarray]:
-        """The prefill's token rows, packed: sequence b at rows starts[b] .. starts[b] + lens[b]."""
-        starts = np.cumsum([0] + lens[:-1])
-        T, B, g = sum(lens), len(seqs), self.model_cfg.num_code_groups
-        a = dict(text_ids=np.empty(T, dtype=np.int64), codes=np.empty((T, g), dtype=np.int64),
-                 positions=np.empty(T, dtype=np.int64), slot_mapping=np.empty(T, dtype=np.int64),
-                 last=starts + np.array(lens) - 1,
+    def _prefill_arrays(self, seqs: list[PrefillRow], lens: list[int], tokens: int = 0, num_seqs: int = 0,
+                        width: int = 1) -> dict[str, np.ndarray]:
+        """The prefill's inputs, packed: sequence b at rows starts[b] .. starts[b] + lens[b]. Padded (for a graph)
+        to `tokens` rows and `num_seqs` sequences: padding tokens write the scratch KV block, padding sequences
+        have no tokens and point at scratch."""
+        starts = np.cumsum([0] + lens[:-1]).astype(np.int64)
+        T, B, g = max(tokens, sum(lens)), max(num_seqs, len(seqs)), self.model_cfg.num_code_groups
+        a = dict(text_ids=np.full(T, -1, dtype=np.int64), codes=np.full((T, g), -1, dtype=np.int64),
+                 positions=np.zeros(T, dtype=np.int64),
+                 slot_mapping=np.full(T, self.scratch_block * self.block_size, dtype=np.int64),
+                 last=np.zeros(B, dtype=np.int64), speaker_row=np.zeros(B, dtype=np.int64),
                  speaker=np.zeros((B, self.model_cfg.talker.hidden_size), dtype=np.float32),
-                 speaker_row=starts.astype(np.int64))
+                 cu_seqlens_q=np.full(B + 1, sum(lens), dtype=np.int32), context_lens=np.zeros(B, dtype=np.int32),
+                 block_tables=np.full((B, width), self.scratch_block, dtype=np.int32))
+        a["cu_seqlens_q"][:len(seqs)] = starts[:len(seqs)]
         for b, (seq, n) in enumerate(zip(seqs, lens)):
             r = slice(starts[b], starts[b] + n)
             a["text_ids"][r], a["codes"][r] = seq.text_ids, seq.codes
             a["positions"][r] = np.arange(seq.num_cached_tokens, seq.num_tokens)
             a["slot_mapping"][r] = self._slots(seq, seq.num_cached_tokens, seq.num_tokens)
+            a["last"][b], a["speaker_row"][b], a["context_lens"][b] = starts[b] + n - 1, starts[b], seq.num_tokens
+            a["block_tables"][b, :len(seq.block_table)] = seq.block_table
             if seq.speaker is not None:  # a Base model's x-vector, added to one position
                 a["speaker"][b], a["speaker_row"][b] = seq.speaker, starts[b] + seq.speaker_row
         return a
+
+    def _padded_prefill_body(self, inp: dict[str, torch.Tensor], tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The capturable prefill (Triton attention): inputs padded to `tokens` rows and max_num_seqs sequences;
+        `tokens` sizes the attention grid, whose programs past a sequence's end return at once."""
+        meta = PagedMetadata(is_prefill=True, slot_mapping=inp["slot_mapping"], seqlens_q=[tokens],
+                             cu_seqlens_q=inp["cu_seqlens_q"], context_lens=inp["context_lens"],
+                             block_tables=inp["block_tables"])
+        return self._prefill_body(inp, meta)
+
+    def _capture_prefill(self) -> PrefillGraphs:
+        empty = self._prefill_arrays([], [], PREFILL_BUCKETS[-1], self.cfg.max_num_seqs, self.max_blocks_per_seq)
+        return PrefillGraphs(self._padded_prefill_body, empty, TOKEN_INPUTS, PREFILL_BUCKETS, self.device)
 
     def admit(self, rows: list[PrefillRow]) -> None:
         """Sequences (re)entering their slots: their sampling settings and codebook-0 history so far."""

@@ -202,9 +202,9 @@ class StreamingCodecDecoder:
 class CodecGraphs:
     """A streaming codec decoder's decode(slots, codes) through CUDA graphs, one per (batch bucket,
     frames): the eager decode of a few frames is hundreds of small launches. Padded rows decode into
-    the decoder's scratch slot. `lazy`: capture a missing shape on first use, which is only safe where
-    no other thread uses the GPU meanwhile (the codec worker); otherwise capture `frames` up front, while
-    the GPU is idle, and run other shapes eagerly."""
+    the decoder's scratch slot. Chunks of `frames` frames are captured up front (a capture in the middle of
+    serving stalls every stream); `lazy` also captures any other shape on first use, which is only safe where
+    no other thread uses the GPU meanwhile (the codec worker); otherwise other shapes run eagerly."""
     MAX_FRAMES = 32   # longer chunks (rare: ICL context) run eagerly
 
     def __init__(self, decoder: StreamingCodecDecoder, max_batch: int = 64, lazy: bool = True,
@@ -213,11 +213,10 @@ class CodecGraphs:
         self.sizes = [b for b in (1, 2, 4, 8, 16, 32, 48, 64) if b < max_batch] + [max_batch]
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self.pool = torch.cuda.graph_pool_handle()
-        if not lazy:
-            for b in self.sizes:
-                for t in frames:
-                    self.graphs[b, t] = self._capture(b, t)
-            logger.info("captured %d codec decode graphs", len(self.graphs))
+        for b in reversed(self.sizes):
+            for t in reversed(frames):
+                self.graphs[b, t] = self._capture(b, t)
+        logger.info("captured %d codec decode graphs", len(self.graphs))
 
     def decode(self, slots: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
         B, T = codes.shape[:2]
@@ -236,6 +235,7 @@ class CodecGraphs:
         graph.replay()
         return out[:B]
 
+    @torch.inference_mode()  # with autograd on, a capture would keep every activation alive
     def _capture(self, bs: int, T: int):
         dev = self.dec.device
         slots = torch.full((bs,), self.dec.scratch_slot, dtype=torch.long, device=dev)
