@@ -235,16 +235,16 @@ class CodecGraphs:
         graph.replay()
         return out[:B]
 
-    @torch.inference_mode()  # with autograd on, a capture would keep every activation alive
     def _capture(self, bs: int, T: int):
         dev = self.dec.device
-        slots = torch.full((bs,), self.dec.scratch_slot, dtype=torch.long, device=dev)
-        codes = torch.zeros(bs, T, self.dec.num_quantizers, dtype=torch.long, device=dev)
-        self.dec.decode(slots, codes)  # warm-up (scratch slot only)
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, self.pool, capture_error_mode="thread_local"):
-            out = self.dec.decode(slots, codes)
+        slots = torch.full((bs,), self.dec.scratch_slot, dtype=torch.long, device=dev)   # normal tensors: the
+        codes = torch.zeros(bs, T, self.dec.num_quantizers, dtype=torch.long, device=dev)  # caller writes them
+        with torch.inference_mode():  # with autograd on, a capture would keep every activation alive
+            self.dec.decode(slots, codes)  # warm-up (scratch slot only)
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, self.pool, capture_error_mode="thread_local"):
+                out = self.dec.decode(slots, codes)
         return graph, slots, codes, out
 
 
