@@ -7,12 +7,29 @@ reaches scratch outputs."""
 from __future__ import annotations
 
 import logging
-from typing import Callable
+from typing import Callable, Iterable
 
 import numpy as np
 import torch
 
 logger = logging.getLogger(__name__)
+
+
+def capture_graphs(keys: Iterable, run: Callable[[object], tuple]) -> dict:
+    """key -> (graph, outputs of run(key)), captured in the order given (largest first: later ones reuse
+    its memory) into one pool. In inference mode: with autograd on, a capture keeps every activation alive."""
+    graphs, pool = {}, None
+    with torch.inference_mode():
+        for key in keys:
+            run(key)  # warm-up: kernel compilation, lazy init, allocator
+            torch.cuda.synchronize()
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool):
+                out = run(key)
+            pool = g.pool() if pool is None else pool
+            graphs[key] = (g, out)
+        torch.cuda.synchronize()
+    return graphs
 
 
 def batch_sizes(max_bs: int) -> list[int]:
@@ -25,29 +42,13 @@ class GraphPool:
                  padding: dict[str, torch.Tensor], max_bs: int):
         """rows: one example row per input (its per-row shape, dtype and device); padding: the padding
         row of each index input (on the host)."""
-        self.fn = fn
         self.padding = padding
         self.static = {k: (padding[k].to(v.device) if k in padding else v).expand(max_bs, *v.shape).clone()
                        for k, v in rows.items()}
         self.sizes = batch_sizes(max_bs)
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple]] = {}
-        with torch.inference_mode():  # with autograd on, captures keep every layer's activations alive
-            self._capture_all(fn)
+        self.graphs = capture_graphs(reversed(self.sizes), lambda bs: fn({k: v[:bs] for k, v in self.static.items()}))
         logger.info("captured %d CUDA graphs (batch sizes %s); %.2f GiB allocated", len(self.sizes), self.sizes,
                     torch.cuda.memory_allocated() / 2**30)
-
-    def _capture_all(self, fn: Callable[[dict], tuple]) -> None:
-        pool = None
-        for bs in reversed(self.sizes):
-            inp = {k: v[:bs] for k, v in self.static.items()}
-            fn(inp)  # warm-up: lazy init, autotuning, allocator
-            torch.cuda.synchronize()
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool):
-                out = fn(inp)
-            pool = g.pool() if pool is None else pool
-            self.graphs[bs] = (g, out)
-        torch.cuda.synchronize()
 
     def bucket(self, batch: int) -> int:
         return next(s for s in self.sizes if s >= batch)
@@ -73,7 +74,6 @@ class GraphPool:
         return self.replay(next(iter(inputs.values())).shape[0])
 
 
-
 class PrefillGraphs:
     """CUDA graphs of a prefill per token bucket. Per-token inputs are padded to the bucket, per-sequence inputs
     to the maximum number of sequences (the caller pads: see TalkerRunner._prefill_arrays)."""
@@ -83,24 +83,9 @@ class PrefillGraphs:
         """example: padded inputs for the largest bucket; fn(inputs, tokens) -> outputs."""
         self.buckets, self.max_tokens, self.token_inputs = buckets, buckets[-1], token_inputs
         self.static = {k: torch.from_numpy(v).to(device) for k, v in example.items()}
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple]] = {}
-        with torch.inference_mode():
-            self._capture_all(fn)
+        self.graphs = capture_graphs(reversed(buckets), lambda T: fn(self._inputs(T), T))
         logger.info("captured %d prefill CUDA graphs (tokens %s); %.2f GiB allocated", len(buckets), list(buckets),
                     torch.cuda.memory_allocated() / 2**30)
-
-    def _capture_all(self, fn: Callable[[dict, int], tuple]) -> None:
-        pool = None
-        for T in reversed(self.buckets):
-            inp = self._inputs(T)
-            fn(inp, T)  # warm-up: kernel compilation, allocator
-            torch.cuda.synchronize()
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool):
-                out = fn(inp, T)
-            pool = g.pool() if pool is None else pool
-            self.graphs[T] = (g, out)
-        torch.cuda.synchronize()
 
     def _inputs(self, tokens: int) -> dict[str, torch.Tensor]:
         return {k: v[:tokens] if k in self.token_inputs else v for k, v in self.static.items()}

@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+
 @triton.jit
 def _attend(acc, l_i, m_i, q, qk_scale, pos, start, k_ptr, v_ptr, bt_row_ptr, kv_off, end, stride_kb, stride_ks,
             BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
