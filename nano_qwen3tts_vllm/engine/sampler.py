@@ -11,11 +11,15 @@ batch, on any device, and the whole sampler can live inside a CUDA graph.
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass
 
 import torch
 
 from ..layers.fused import cuda_compiled
+
+# On CUDA the whole sampler is one Triton kernel; NANO_QWEN3TTS_TRITON_SAMPLER=0 keeps the torch path there too.
+TRITON_SAMPLER = os.environ.get("NANO_QWEN3TTS_TRITON_SAMPLER", "1") != "0"
 
 _M32 = 0xFFFFFFFF
 
@@ -126,9 +130,25 @@ def _warp(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, 
 
 
 def sample(logits: torch.Tensor, st: SamplingTensors, counters: torch.Tensor) -> torch.Tensor:
-    """logits [B, V] fp32 after penalties -> token ids [B] (int64)."""
+    """logits [B, V] fp32 after penalties -> token ids [B] (int64). counters [B] (or one for all rows).
+    CUDA tensors take the one-kernel Triton sampler (layers/triton_sampler.py), which draws the same tokens
+    up to float rounding; CPU tensors the torch path."""
+    if logits.is_cuda and TRITON_SAMPLER and _triton_sample() is not None:
+        return _triton_sample()(logits, st.do_sample, st.temperature, st.top_k, st.top_p, st.seeds, counters)
+    if not isinstance(counters, torch.Tensor):
+        counters = torch.tensor(counters, device=logits.device)
     col_hash = _column_hash(logits.shape[-1], str(logits.device))
     return _sample(logits, st.do_sample, st.temperature, st.top_k, st.top_p, st.seeds, counters, col_hash)
+
+
+@functools.cache
+def _triton_sample():
+    """layers.triton_sampler.triton_sample, or None without triton (imported on first use)."""
+    try:
+        from ..layers.triton_sampler import triton_sample
+    except ImportError:
+        return None
+    return triton_sample
 
 
 @cuda_compiled
