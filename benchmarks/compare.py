@@ -10,7 +10,8 @@ Systems (run in this order, each one alone on the GPU):
   qwen-tts          the reference `qwen_tts.Qwen3TTSModel` (sdpa): batch 1 and batch --qwen-batch
   faster-qwen3-tts  `faster_qwen3_tts.FasterQwen3TTS` (CUDA graphs, batch 1): whole and streaming (chunk_size 8)
   ours              in-process `Qwen3TTSInterface`: batch 1, streaming, offline batch of --offline-n, and the
-                    concurrency sweep with one thread per streaming request
+                    concurrency sweep with one thread per streaming request; its max_num_seqs is at least
+                    --offline-n, so the offline batch runs as one wave
 
 The checkpoint never emits EOS, so every system generates exactly --frames frames; each output's length is
 checked (samples / 1920 == frames) and a system that produced anything else, or could not run, FAILS: its row
@@ -367,13 +368,14 @@ class Worker:
         a = self.args
         self.reset_peak()
         t = time.perf_counter()
-        kw = dict(device=self.device, dtype=self.dtype, max_num_seqs=a.max_num_seqs)
+        max_num_seqs = max(a.max_num_seqs, a.offline_n)  # the offline batch runs as one wave, as a user would set it
+        kw = dict(device=self.device, dtype=self.dtype, max_num_seqs=max_num_seqs)
         if self.cuda:
             kw["gpu_memory_utilization"] = a.gpu_memory_utilization
         tts = Qwen3TTSInterface.from_pretrained(self.model_dir, **kw)
         try:
             self.put("load_s", r(time.perf_counter() - t, 1))
-            self.res.update(max_num_seqs=a.max_num_seqs, gpu_memory_utilization=a.gpu_memory_utilization if self.cuda
+            self.res.update(max_num_seqs=max_num_seqs, gpu_memory_utilization=a.gpu_memory_utilization if self.cuda
                             else None, chunk_size=a.chunk_size, first_chunk_size=a.first_chunk_size)
             self._ours_body(tts)
         finally:
@@ -471,12 +473,12 @@ class Worker:
             try:
                 wavs, sr = tts.generate_custom_voice([TEXT] * a.offline_n, max_new_tokens=mnt, **kw)
             except self.torch.OutOfMemoryError as e:
-                raise BenchError(f"ours offline batch of {a.offline_n}: CUDA out of memory ({e}); the codec decodes "
-                                 "the whole batch at once: lower --offline-n or --gpu-memory-utilization") from e
+                raise BenchError(f"ours offline batch of {a.offline_n}: CUDA out of memory ({e}): lower --offline-n "
+                                 "or --gpu-memory-utilization") from e
             wall = self.now() - t0
             total = check_whole(f"ours offline {a.offline_n}", wavs, F, self.spf)
             self.put("offline", dict(n=a.offline_n, wall_s=r(wall, 3), aggregate_xrt=r(total / sr / wall, 1),
-                                     max_num_seqs=a.max_num_seqs))
+                                     max_num_seqs=max_num_seqs))
         # concurrency sweep
         sweep = []
         for c in sweep_at:
@@ -840,7 +842,7 @@ def parse_args(argv=None):
     ap.add_argument("--offline-n", type=int, default=256, help="ours: generate_custom_voice([text] * N); 0 = skip")
     ap.add_argument("--qwen-batch", type=int, default=32, help="qwen-tts batch size for the aggregate (1 = skip)")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.5, help="ours and ours-http (KV reservation)")
-    ap.add_argument("--max-num-seqs", type=int, default=None, help="ours and ours-http (default: max concurrency)")
+    ap.add_argument("--max-num-seqs", type=int, default=None, help="ours-http, and ours (at least --offline-n there) (default: max concurrency)")
     ap.add_argument("--chunk-size", type=int, default=12, help="ours streaming chunk (frames)")
     ap.add_argument("--first-chunk-size", type=int, default=3, help="ours first streaming chunk (frames)")
     ap.add_argument("--faster-chunk-size", type=int, default=8, help="faster-qwen3-tts streaming chunk (frames)")
