@@ -478,7 +478,7 @@ class Worker:
             wall = self.now() - t0
             total = check_whole(f"ours offline {a.offline_n}", wavs, F, self.spf)
             self.put("offline", dict(n=a.offline_n, wall_s=r(wall, 3), aggregate_xrt=r(total / sr / wall, 1),
-                                     max_num_seqs=max_num_seqs))
+                                     max_num_seqs=self.res["max_num_seqs"]))
         # concurrency sweep
         sweep = []
         for c in sweep_at:
