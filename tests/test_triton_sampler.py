@@ -7,7 +7,6 @@ import math
 
 import pytest
 import torch
-from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from nano_qwen3tts_vllm.engine import sampler
 from nano_qwen3tts_vllm.engine.sampler import (SamplingTensors, _column_hash, _sample, _warp, apply_penalties, sample,
@@ -15,6 +14,7 @@ from nano_qwen3tts_vllm.engine.sampler import (SamplingTensors, _column_hash, _s
 
 pytest.importorskip("triton", reason="the Triton sampler needs triton")
 from nano_qwen3tts_vllm.layers.triton_sampler import triton_sample  # noqa: E402
+from test_sampler import _chisquare_pvalue, _hf_warp_row  # noqa: E402  (the transformers oracle and the chi-square tail)
 
 CUDA = torch.cuda.is_available()
 CPU_ONLY = pytest.mark.skipif(CUDA, reason="compiled Triton rejects CPU tensors: the cuda variant runs instead")
@@ -241,26 +241,6 @@ def test_single_finite_token_and_extreme_noise(device):
         assert got.tolist() == targets + [int(logits[-1].argmax())]
 
 
-def _chisquare_pvalue(observed: torch.Tensor, expected: torch.Tensor) -> float:
-    stat = float(((observed - expected) ** 2 / expected).sum())
-    dof = len(observed) - 1
-    try:
-        from scipy.stats import chi2
-        return float(chi2.sf(stat, dof))
-    except ImportError:                                  # Wilson-Hilferty approximation of the chi2 tail
-        z = ((stat / dof) ** (1 / 3) - (1 - 2 / (9 * dof))) / math.sqrt(2 / (9 * dof))
-        return 0.5 * math.erfc(z / math.sqrt(2))
-
-
-def _hf_probs(row: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
-    scores = TemperatureLogitsWarper(temperature)(None, row[None, :].clone())
-    if top_k:
-        scores = TopKLogitsWarper(top_k)(None, scores)
-    if top_p < 1:
-        scores = TopPLogitsWarper(top_p)(None, scores)
-    return scores[0].softmax(-1).double()
-
-
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("V,temperature,top_k,top_p,n_cpu", [
     (8, 1.3, 0, 1.0, 400),
@@ -273,7 +253,7 @@ def test_sampled_frequencies_follow_warped_softmax(V, temperature, top_k, top_p,
     n = n_cpu if device == "cpu" else 20000
     st = _st([(True, temperature, top_k, top_p, 42)] * n)
     tokens = kernel(base.expand(n, V), st, torch.arange(n), device)
-    probs = _hf_probs(base, temperature, top_k, top_p)
+    probs = _hf_warp_row(base, temperature, top_k, top_p).softmax(-1).double()
     support = probs > 0
     if top_k or top_p < 1:
         assert support.sum() < V

@@ -133,8 +133,9 @@ def sample(logits: torch.Tensor, st: SamplingTensors, counters: torch.Tensor) ->
     """logits [B, V] fp32 after penalties -> token ids [B] (int64). counters [B] (or one for all rows).
     CUDA tensors take the one-kernel Triton sampler (layers/triton_sampler.py), which draws the same tokens
     up to float rounding; CPU tensors the torch path."""
-    if logits.is_cuda and TRITON_SAMPLER and _triton_sample() is not None:
-        return _triton_sample()(logits, st.do_sample, st.temperature, st.top_k, st.top_p, st.seeds, counters)
+    kernel = _triton_sample() if logits.is_cuda and TRITON_SAMPLER else None
+    if kernel is not None:
+        return kernel(logits, st.do_sample, st.temperature, st.top_k, st.top_p, st.seeds, counters)
     if not isinstance(counters, torch.Tensor):
         counters = torch.tensor(counters, device=logits.device)
     col_hash = _column_hash(logits.shape[-1], str(logits.device))
