@@ -52,6 +52,17 @@ def record_decode(owner, speech_tokenizer) -> None:
     speech_tokenizer.decode = recording_decode
 
 
+def record_codes(tts) -> None:
+    """Make `tts.codes` (a Qwen3TTSInterface) hold the clips of its last whole-clip decode."""
+    decode = tts.decode_codes
+    tts.codes = []
+
+    def recording(codes):
+        tts.codes = [c.clone() for c in codes]
+        return decode(codes)
+    tts.decode_codes = recording
+
+
 class Reference:
     """qwen-tts on CPU in fp32, recording the codes it hands to its speech tokenizer."""
 
@@ -114,7 +125,7 @@ def ours():
         if key not in _ours:
             m = Qwen3TTSInterface.from_pretrained(model_dir, device="cpu", dtype=torch.float32,
                                                   max_num_seqs=8, max_model_len=512, **kw)
-            record_decode(m, m.speech_tokenizer)
+            record_codes(m)
             _ours[key] = m
         return _ours[key]
     yield get

@@ -127,6 +127,24 @@ def test_context_frames_then_stream_equals_the_tail_of_one_shot(ref):
     assert max_diff(out, full[90 * UP:]) < ATOL[ref.dtype]
 
 
+def test_whole_clips_equal_the_references_chunked_decode(ref):
+    """decode_clips, batched and fed a few frames per call, equals qwen-tts's chunked_decode of each clip alone:
+    300-frame chunks from a fresh state after 25 frames of context (so past 300 frames it is not the one-shot
+    decode), cut to the clip's length; an empty clip gives empty audio."""
+    lengths = [620, 125, 301, 7, 0]
+    clips = [random_codes(n, 40 + i) for i, n in enumerate(lengths)]
+    dec = StreamingCodecDecoder(ref, max_streams=1)
+    out = dec.decode_clips(clips, batch=3, piece=40)
+    for clip, wav in zip(clips, out):
+        assert wav.shape == (len(clip) * UP,)
+        if len(clip):
+            with torch.inference_mode():
+                expected = ref.chunked_decode(clip.T[None])[0, 0]
+            assert max_diff(wav, expected) < ATOL[ref.dtype]
+    # the chunking is what the reference does: a continuous decode of the long clip differs after frame 300
+    assert max_diff(out[0][300 * UP:], one_shot(ref, clips[0])[300 * UP:]) > 1e-2
+
+
 def test_slot_pool_never_waits():
     pool = SlotPool(2)
     a, b = pool.acquire(), pool.acquire()

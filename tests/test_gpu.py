@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import GREEDY, Reference, record_decode
+from conftest import GREEDY, Reference, record_codes, record_decode
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -26,7 +26,7 @@ def gpu_models(ckpt):
             m = Qwen3TTSInterface.from_pretrained(ckpt(name), device="cuda", dtype=dtype, max_num_seqs=8,
                                                   max_model_len=512, enforce_eager=False,
                                                   num_kvcache_blocks=1024)
-            record_decode(m, m.speech_tokenizer)
+            record_codes(m)
             made[key] = m
         return made[key]
     yield get
@@ -98,7 +98,7 @@ def test_multiprocess_workers_on_gpu_match_in_process(ckpt, gpu_models):
     local = gpu_models("tiny-random")
     mp_tts = Qwen3TTSInterface.from_pretrained(ckpt("tiny-random"), device="cuda", dtype=torch.float32, max_num_seqs=8,
                                                max_model_len=512, num_kvcache_blocks=1024, multiprocess=True)
-    record_decode(mp_tts, mp_tts.speech_tokenizer)
+    record_codes(mp_tts)
     try:
         for kw in (GREEDY, dict(seed=9)):
             a, _ = local.generate_custom_voice(TEXTS, speaker="vivian", language="english", max_new_tokens=30, **kw)

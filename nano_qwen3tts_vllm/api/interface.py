@@ -23,7 +23,7 @@ from ..config import EngineConfig, ModelConfig
 from ..engine.engine_thread import EngineThread, RequestStream
 from ..engine.llm_engine import LLMEngine
 from ..engine.sequence import Prompt
-from ..models.codec_decoder import CodecStream, LocalCodecStreams
+from ..models.codec_decoder import CodecStream, LocalCodecStreams, StreamingCodecDecoder
 from ..models.prompt import build_prompt
 from ..sampling_params import SamplingParams
 from .audio import ChunkPlanner, load_audio
@@ -90,6 +90,9 @@ class Qwen3TTSInterface:
         self.codec_worker = codec_worker  # batched streaming decode in its own process, or None (in this process)
         # streaming decode state of up to max_streams live streams (each stream holds a slot from start to end)
         self.codecs = codec_worker or LocalCodecStreams(speech_tokenizer.model.decoder, max_streams)
+        # whole clips (generate_*): batched incremental decode on CUDA; the reference's decode on CPU
+        self.clip_decoder = (StreamingCodecDecoder(speech_tokenizer.model.decoder, 1) if device.type == "cuda"
+                             else None)
 
     # ---- construction ---------------------------------------------------------------------
     @classmethod
@@ -452,17 +455,25 @@ class Qwen3TTSInterface:
             raise
         return await asyncio.to_thread(self._decode, jobs, frames)
 
+    def decode_codes(self, codes: list[torch.Tensor]) -> tuple[list[np.ndarray], int]:
+        """Whole clips of codes [T_i, 16] -> (float32 waveforms, sample rate), as qwen-tts's speech tokenizer decodes
+        them (300-frame chunks with 25 frames of context). On CUDA the batched incremental decoder (the same math,
+        ~2x faster); elsewhere the reference's own decode, DECODE_GROUP clips at a time."""
+        sr = int(self.speech_tokenizer.get_output_sample_rate())
+        if self.clip_decoder is not None:
+            return [w.float().cpu().numpy() for w in self.clip_decoder.decode_clips(codes)], sr
+        wavs = []
+        for i in range(0, len(codes), DECODE_GROUP):
+            wavs += self.speech_tokenizer.decode([{"audio_codes": c} for c in codes[i:i + DECODE_GROUP]])[0]
+        return wavs, sr
+
     def _decode(self, jobs: list[TTSRequest], frames: list[list[list[int]]]) -> tuple[list[np.ndarray], int]:
-        """Decode as qwen-tts does, in groups of DECODE_GROUP clips (a batch of 256 decoded at once would
-        hold tens of GiB of codec activations); ICL audio starts with the reference codes, then cut."""
+        """ICL audio starts with the reference codes, then is cut (as qwen-tts)."""
         codes = []
         for job, f in zip(jobs, frames):
             c = torch.tensor(f, dtype=torch.long).reshape(-1, self.model_cfg.num_code_groups)
             codes.append(c if job.ref_codes is None else torch.cat([job.ref_codes, c], dim=0))
-        wavs, sr = [], None
-        for i in range(0, len(codes), DECODE_GROUP):
-            group, sr = self.speech_tokenizer.decode([{"audio_codes": c} for c in codes[i:i + DECODE_GROUP]])
-            wavs += group
+        wavs, sr = self.decode_codes(codes)
         out = []
         for job, c, wav in zip(jobs, codes, wavs):
             if job.ref_codes is not None:

@@ -64,9 +64,3 @@ def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor)
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
-
-
-@cuda_compiled
-def snake(x: torch.Tensor, alpha: torch.Tensor, inv_beta: torch.Tensor) -> torch.Tensor:
-    """SnakeBeta (codec decoder): x + sin(alpha x)^2 / beta; five memory-bound passes unfused, at 24 kHz."""
-    return x + inv_beta * torch.pow(torch.sin(x * alpha), 2)

@@ -22,16 +22,23 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.utils.rnn import pad_sequence
 
-from ..layers.fused import snake
+from ..layers.triton_snake import snake
 
 logger = logging.getLogger(__name__)
 
 
 class StreamingCodecDecoder:
-    """Incremental decoder over a loaded `Qwen3TTSTokenizerV2Decoder` (shares its weights).
+    """Incremental decoder over a loaded `Qwen3TTSTokenizerV2Decoder` (shares its weights but for the convolutions',
+    which it keeps once more in the layout below).
 
-    Not thread-safe: one `decode`/`reset` at a time. The slots of one call must be distinct.
+    Activations are time-major, [B, T, C], all the way down: a convolution runs as a 2-D one on the channels-last
+    view [B, C, 1, T] of that memory (cuDNN then needs no layout transforms), a 1x1 one as a matmul, the final
+    96 -> 1 one as a matmul and a shifted sum, SnakeBeta as one Triton kernel.
+
+    Not thread-safe: one `decode`/`reset` at a time (`decode_clips` keeps no shared state). The slots of one call
+    must be distinct.
     """
 
     def __init__(self, decoder: nn.Module, max_streams: int):
@@ -40,6 +47,11 @@ class StreamingCodecDecoder:
         p = next(decoder.parameters())
         self.device, self.dtype = p.device, p.dtype
         self.ref, self.max_streams = decoder, max_streams
+        if self.device.type == "cuda":
+            # cuDNN's heuristics pick a direct "grouped" kernel for some of these channels-last shapes (the dilated
+            # 192-channel convolutions: 43.6 ms for 16 streams x 4 frames on an H100, ~1000x too slow); timing the
+            # candidates once per shape avoids it. Only the codec's convolutions run through cuDNN here.
+            torch.backends.cudnn.benchmark = True
         self.scratch_slot = max_streams  # one more slot: where padded rows of a CUDA-graph batch decode
         self.upsample = int(decoder.total_upsample)   # audio samples per frame
         self.num_quantizers = decoder.config.num_quantizers
@@ -47,10 +59,13 @@ class StreamingCodecDecoder:
         tf = decoder.pre_transformer
         self.inv_freq, self.rope_scale = tf.rotary_emb.inv_freq.float(), tf.rotary_emb.attention_scaling
         self._codebooks(decoder.quantizer)
-        self.state: dict[nn.Module, torch.Tensor] = {}  # per module: [max_streams, ...] carried inputs
+        self.shapes: dict[nn.Module, tuple[int, ...]] = {}  # per module: the shape of one stream's carried inputs
+        self.weights: dict[nn.Module, torch.Tensor] = {}     # convolution weights, channels-last 2-D
         self.snake: dict[nn.Module, tuple[torch.Tensor, torch.Tensor]] = {}
-        for m in decoder.modules():
-            self._prepare(m)
+        with torch.no_grad():
+            for m in decoder.modules():
+                self._prepare(m)
+        self.state = {m: self._zeros(max_streams + 1, m) for m in self.shapes}  # [max_streams + 1, ...]
         self.pos = torch.zeros(max_streams + 1, dtype=torch.long, device=self.device)  # frames decoded per slot
 
     # ---- setup -----------------------------------------------------------------------------
@@ -63,28 +78,29 @@ class StreamingCodecDecoder:
         self.n_first = q.n_q_semantic
         self.proj_first, self.proj_rest = q.rvq_first.output_proj.weight[..., 0], q.rvq_rest.output_proj.weight[..., 0]
 
-    def _alloc(self, m: nn.Module, *shape: int) -> None:
-        self.state[m] = torch.zeros(self.max_streams + 1, *shape, dtype=self.dtype, device=self.device)
+    def _zeros(self, n: int, m: nn.Module) -> torch.Tensor:
+        return torch.zeros(n, *self.shapes[m], dtype=self.dtype, device=self.device)
 
     def _prepare(self, m: nn.Module) -> None:
         name = type(m).__name__
         if name == "Qwen3TTSTokenizerV2CausalConvNet":
             _support(m.stride == 1, "strided causal convolutions")
-            if m.kernel_size > 1:
-                self._alloc(m, m.conv.in_channels, m.kernel_size - 1)
+            self.weights[m] = m.conv.weight[:, :, None].contiguous(memory_format=torch.channels_last)
+            if m.kernel_size > 1:  # kernel_size is the dilated extent: the inputs carried over
+                self.shapes[m] = (m.kernel_size - 1, m.conv.in_channels)
         elif name == "Qwen3TTSTokenizerV2CausalTransConvNet":
             c = m.conv
             _support(c.padding == (0,) and c.output_padding == (0,) and c.dilation == (1,) and m.left_pad == 0,
                      "padded or dilated transposed convolutions")
+            self.weights[m] = c.weight[:, :, None].contiguous(memory_format=torch.channels_last)
             carry = math.ceil(c.kernel_size[0] / c.stride[0]) - 1  # earlier input frames an output frame reads
             if carry:
-                self._alloc(m, c.in_channels, carry)
+                self.shapes[m] = (carry, c.in_channels)
         elif name == "Qwen3TTSTokenizerV2DecoderAttention":
             _support(isinstance(m.q_norm, nn.Identity) and isinstance(m.k_norm, nn.Identity), "q/k norms")
-            self._alloc(m, 2, m.config.num_key_value_heads, self.past, m.head_dim)
+            self.shapes[m] = (2, m.config.num_key_value_heads, self.past, m.head_dim)
         elif name == "SnakeBeta":
-            with torch.no_grad():
-                self.snake[m] = (m.alpha.exp()[None, :, None], (1.0 / (m.beta.exp() + m.no_div_by_zero))[None, :, None])
+            self.snake[m] = (m.alpha.exp(), 1.0 / (m.beta.exp() + m.no_div_by_zero))
 
     # ---- public ----------------------------------------------------------------------------
     @torch.inference_mode()
@@ -103,9 +119,54 @@ class StreamingCodecDecoder:
                              f"got {tuple(codes.shape)}")
         st = {m: buf.index_select(0, slots) for m, buf in self.state.items()}
         pos = self.pos.index_select(0, slots)
+        wav = self._forward(codes, pos, st)
+        for m, buf in self.state.items():
+            buf.index_copy_(0, slots, st[m])
+        self.pos.index_copy_(0, slots, pos + codes.shape[1])
+        return wav
+
+    @torch.inference_mode()
+    def decode_clips(self, clips: list[torch.Tensor], batch: int = 64, piece: int = 25, chunk: int = 300,
+                     context: int = 25) -> list[torch.Tensor]:
+        """Whole clips [T_i, num_quantizers] -> audio [T_i * upsample], as qwen-tts decodes them
+        (`chunked_decode(chunk_size=300, left_context_size=25)`: chunks of 300 frames, each decoded from a fresh
+        state after the 25 frames before it, whose audio is dropped). Up to `batch` clips at a time, padded at the
+        end (the decoder is causal: padding never reaches a clip's own audio), fed `piece` frames per call with
+        the state carried between calls: the same math, in bounded memory. Uses no slot."""
+        order = sorted(range(len(clips)), key=lambda i: -len(clips[i]))  # similar lengths together: less padding
+        out: list[torch.Tensor] = [torch.zeros(0, dtype=self.dtype, device=self.device)] * len(clips)
+        for g in range(0, len(order), batch):
+            group = order[g:g + batch]
+            T = len(clips[group[0]])
+            if T == 0:
+                break
+            codes = pad_sequence([clips[i].long().cpu() for i in group], batch_first=True).to(self.device)
+            wav = self._chunked(codes, chunk, context, piece)
+            for row, i in enumerate(group):
+                out[i] = wav[row, :len(clips[i]) * self.upsample]
+        return out
+
+    def _chunked(self, codes: torch.Tensor, chunk: int, context: int, piece: int) -> torch.Tensor:
+        B, T, _ = codes.shape
+        wavs = []
+        for start in range(0, T, chunk):
+            ctx = context if start - context > 0 else start  # as the reference: no context for the first chunk
+            st = {m: self._zeros(B, m) for m in self.shapes}
+            pos = torch.zeros(B, dtype=torch.long, device=self.device)
+            pieces = []
+            for s in range(start - ctx, min(start + chunk, T), piece):
+                part = codes[:, s:min(s + piece, start + chunk, T)]
+                pieces.append(self._forward(part, pos, st))
+                pos = pos + part.shape[1]
+            wavs.append(torch.cat(pieces, 1)[:, ctx * self.upsample:])
+        return torch.cat(wavs, 1)
+
+    # ---- the decoder, piece by piece (x is [B, T, C]) ---------------------------------------
+    def _forward(self, codes: torch.Tensor, pos: torch.Tensor, st: dict) -> torch.Tensor:
+        """codes [B, T, Q] after `pos` [B] frames whose carried inputs are in `st` (updated) -> audio [B, T * up]."""
         d = self.ref
         x = self._conv(self._quantize(codes), d.pre_conv, st)
-        x = self._transformer(x.transpose(1, 2), pos, st).transpose(1, 2)
+        x = self._transformer(x, pos, st)
         for tconv, convnext in d.upsample:
             x = self._convnext(self._tconv(x, tconv, st), convnext, st)
         x = self._conv(x, d.decoder[0], st)
@@ -114,34 +175,41 @@ class StreamingCodecDecoder:
             for unit in block.block[2:]:
                 x = self._residual(x, unit, st)
         x = self._conv(self._snake(x, d.decoder[-2]), d.decoder[-1], st)
-        for m, buf in self.state.items():
-            buf.index_copy_(0, slots, st[m])
-        self.pos.index_copy_(0, slots, pos + codes.shape[1])
-        return x.clamp(min=-1, max=1)[:, 0]
+        return x.clamp(min=-1, max=1)[..., 0]
 
-    # ---- the decoder, piece by piece (x is [B, C, T] unless said otherwise) ----------------
     def _quantize(self, codes: torch.Tensor) -> torch.Tensor:
         e = self.books[torch.arange(self.num_quantizers, device=codes.device), codes]  # [B, T, Q, dim]
         first = F.linear(e[:, :, :self.n_first].sum(2), self.proj_first)
         rest = F.linear(e[:, :, self.n_first:].sum(2), self.proj_rest)
-        return (first + rest).transpose(1, 2)
+        return first + rest
 
     def _conv(self, x: torch.Tensor, m: nn.Module, st: dict) -> torch.Tensor:
         if m in st:
-            x = torch.cat([st[m], x], -1)
-            st[m] = x[..., -(m.kernel_size - 1):]
-        c = m.conv
-        return F.conv1d(x, c.weight, c.bias, dilation=c.dilation, groups=c.groups)
+            x = torch.cat([st[m], x], 1)
+            st[m] = x[:, -(m.kernel_size - 1):]
+        c, w = m.conv, self.weights[m]
+        if c.kernel_size[0] == 1 and c.groups == 1:
+            return F.linear(x, w[:, :, 0, 0], c.bias)
+        n, dil = x.shape[1] - m.kernel_size + 1, c.dilation[0]
+        if c.out_channels == 1 and c.groups == 1:  # the last layer: one matmul, then a shifted sum over the taps
+            u = x @ w[0, :, 0]  # [B, T + extent - 1, kernel]
+            return (sum(u[:, j * dil:j * dil + n, j] for j in range(c.kernel_size[0])) + c.bias)[..., None]
+        if c.groups == c.in_channels == c.out_channels:  # depthwise (ConvNeXt, at 25-50 Hz): cuDNN's kernel for
+            w = c.weight[:, 0]                           # it in this layout is ~1000x slower than a shifted sum
+            return sum(x[:, j * dil:j * dil + n] * w[:, j] for j in range(c.kernel_size[0])) + c.bias
+        y = F.conv2d(x.transpose(1, 2)[:, :, None], w, c.bias, dilation=(1, c.dilation[0]), groups=c.groups)
+        return y[:, :, 0].transpose(1, 2)
 
     def _tconv(self, x: torch.Tensor, m: nn.Module, st: dict) -> torch.Tensor:
-        c, n = m.conv, x.shape[-1]
+        c, n = m.conv, x.shape[1]
         s, carry = c.stride[0], 0
         if m in st:
-            carry = st[m].shape[-1]
-            x = torch.cat([st[m], x], -1)
-            st[m] = x[..., -carry:]
-        y = F.conv_transpose1d(x, c.weight, c.bias, stride=s)
-        return y[..., carry * s:(carry + n) * s]  # the carried frames' own outputs went out last call
+            carry = st[m].shape[1]
+            x = torch.cat([st[m], x], 1)
+            st[m] = x[:, -carry:]
+        y = F.conv_transpose2d(x.transpose(1, 2)[:, :, None], self.weights[m], c.bias, stride=(1, s))
+        # the carried frames' own outputs went out last call
+        return y[:, :, 0, carry * s:(carry + n) * s].transpose(1, 2).contiguous()
 
     def _snake(self, x: torch.Tensor, m: nn.Module) -> torch.Tensor:
         alpha, inv_beta = self.snake[m]
@@ -152,11 +220,11 @@ class StreamingCodecDecoder:
         return self._conv(self._snake(h, m.act2), m.conv2, st) + x
 
     def _convnext(self, x: torch.Tensor, m: nn.Module, st: dict) -> torch.Tensor:
-        h = self._conv(x, m.dwconv, st).transpose(1, 2)
+        h = self._conv(x, m.dwconv, st)
         h = F.layer_norm(h, m.norm.normalized_shape, m.norm.weight, m.norm.bias, m.norm.eps)
         h = F.gelu(F.linear(h, m.pwconv1.weight, m.pwconv1.bias), approximate=m.act.approximate)
         h = m.gamma * F.linear(h, m.pwconv2.weight, m.pwconv2.bias)
-        return x + h.transpose(1, 2)
+        return x + h
 
     def _transformer(self, x: torch.Tensor, pos: torch.Tensor, st: dict) -> torch.Tensor:
         """x [B, T, latent] -> [B, T, latent]; pos [B]: frames each slot has decoded before."""
