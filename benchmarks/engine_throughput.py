@@ -23,6 +23,7 @@ def main() -> None:
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--multiprocess", action="store_true", help="talker and predictor in worker processes")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.85)
+    ap.add_argument("--no-async-scheduling", action="store_true", help="collect each decode step before the next")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
@@ -32,7 +33,8 @@ def main() -> None:
     tts = Qwen3TTSInterface.from_pretrained(args.model, dtype=getattr(torch, args.dtype),
                                             max_num_seqs=max(args.batches), enforce_eager=args.enforce_eager,
                                             multiprocess=args.multiprocess,
-                                            gpu_memory_utilization=args.gpu_memory_utilization)
+                                            gpu_memory_utilization=args.gpu_memory_utilization,
+                                            async_scheduling=not args.no_async_scheduling)
     print(f"load + graph capture: {time.perf_counter() - t0:.1f} s")
     kw = dict(speaker="vivian", language="english", max_new_tokens=args.frames + 1, seed=0)
     text = "The quick brown fox jumps over the lazy dog, again and again, until the sun goes down."

@@ -25,7 +25,8 @@ def main() -> None:
     from nano_qwen3tts_vllm import Qwen3TTSInterface
     from nano_qwen3tts_vllm.engine.sequence import decode_batch
     tts = Qwen3TTSInterface.from_pretrained(args.model, max_num_seqs=max(args.batch),
-                                             attention_backend=args.attention_backend)
+                                             attention_backend=args.attention_backend,
+                                             async_scheduling=False)  # the loop below drives steps one by one
     eng = tts.engine.engine
     tts.engine.shutdown()  # drive the engine directly, on this thread
     text = "The quick brown fox jumps over the lazy dog, again and again, until the sun goes down."
@@ -54,7 +55,7 @@ def main() -> None:
             slots = torch.from_numpy(batch.slots).to(eng.device)
             hidden = ex.hidden[slots]
             sync(); t1 = time.perf_counter()
-            codes, frame_sum = ex.predictor.run(batch, hidden)
+            codes, frame_sum = ex.predictor.run(batch, hidden, ex.c0[slots])
             sync(); t2 = time.perf_counter()
             frames = codes.tolist()
             for s, f in zip(seqs, frames):
@@ -62,7 +63,7 @@ def main() -> None:
             t3 = time.perf_counter()
             h, c0 = ex.talker.decode(batch, frame_sum)
             sync(); t4 = time.perf_counter()
-            ex.hidden[slots] = h
+            ex.hidden[slots], ex.c0[slots] = h, c0
             for s, tok in zip(seqs, c0.tolist()):
                 eng._append_c0(s, tok)
             sync(); t5 = time.perf_counter()

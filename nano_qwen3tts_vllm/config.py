@@ -133,6 +133,7 @@ class EngineConfig:
     enforce_eager: bool = False
     enable_prefix_caching: bool = True
     attention_backend: str = "auto"    # auto | torch | triton | flash
+    async_scheduling: bool = True      # launch decode step t+1 before reading step t (in-process executor only)
 
     def __post_init__(self):
         if self.max_num_seqs < 1:

@@ -42,8 +42,19 @@ def gpu_reference(model_dir):
     return ref
 
 
+@pytest.fixture
+def no_tf32():
+    """True fp32 convolutions: cuDNN rounds fp32 inputs to TF32 by default, and the codec's conv stack amplifies
+    that (max abs ~0.02 between two algorithms on the full-size random codec); without it ours and the
+    reference's decode differ by float rounding, as on CPU."""
+    before = torch.backends.cudnn.allow_tf32
+    torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cudnn.allow_tf32 = before
+
+
 @pytest.mark.parametrize("name", ["tiny-random", "tiny-random-voice-design", "tiny-random-base"])
-def test_fp32_parity_with_cuda_graphs(ckpt, gpu_models, ref_wav, name):
+def test_fp32_parity_with_cuda_graphs(ckpt, gpu_models, ref_wav, name, no_tf32):
     mine = gpu_models(name)
     executor = mine.engine.engine.executor
     assert executor.talker.graphs is not None and executor.predictor.graphs is not None
@@ -60,7 +71,7 @@ def test_fp32_parity_with_cuda_graphs(ckpt, gpu_models, ref_wav, name):
         wo, _ = call(mine)
         for a, b, x, y in zip(ref.codes, mine.codes, wr, wo):
             assert torch.equal(a.cpu(), b.cpu()), (name, nsm)
-            np.testing.assert_allclose(y, x, atol=1e-4)
+            np.testing.assert_allclose(y, x, atol=2e-4)  # the codec tests' fp32 tolerance
 
 
 def test_bf16_codes_valid_and_seeded_batching(gpu_models):

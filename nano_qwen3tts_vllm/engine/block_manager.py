@@ -101,13 +101,13 @@ class BlockManager:
         seq.num_cached_tokens = 0
         seq.block_table.clear()
 
-    def _needs_block(self, seq: Sequence) -> bool:
+    def needs_block(self, seq: Sequence) -> bool:
         # the next decode step writes position seq.num_tokens
         return len(seq.block_table) * self.block_size <= seq.num_tokens
 
     def can_append(self, seq: Sequence) -> bool:
-        return len(self.free_block_ids) >= int(self._needs_block(seq))
+        return len(self.free_block_ids) >= int(self.needs_block(seq))
 
     def may_append(self, seq: Sequence) -> None:
-        if self._needs_block(seq):
+        if self.needs_block(seq):
             seq.block_table.append(self._allocate_block(self.free_block_ids[0]).block_id)

@@ -15,6 +15,15 @@ import torch
 logger = logging.getLogger(__name__)
 
 
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device` without blocking the host: staged in pinned memory (a pageable copy waits
+    for all earlier work on the stream). The caching host allocator behind pin_memory() records an event on
+    the copy's stream and does not reuse the block before it has run, so the staging tensor may die at once."""
+    if device.type != "cuda" or t.device.type == "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 def capture_graphs(keys: Iterable, run: Callable[[object], tuple]) -> dict:
     """key -> (graph, outputs of run(key)), captured in the order given (largest first: later ones reuse
     its memory) into one pool. In inference mode: with autograd on, a capture keeps every activation alive."""
@@ -55,14 +64,18 @@ class GraphPool:
 
     def load(self, inputs: dict[str, torch.Tensor]) -> None:
         """Copy some or all inputs of a batch into the graphs' static buffers (each may be narrower
-        than the buffer in its trailing dims: block tables are only as wide as the batch needs)."""
+        than the buffer in its trailing dims: block tables are only as wide as the batch needs), without
+        blocking the host."""
         for k, v in inputs.items():
             B = v.shape[0]
             bs = self.bucket(B)
             if k in self.padding and bs > B:
                 pad = self.padding[k][tuple(slice(0, n) for n in v.shape[1:])].to(v.device)
                 v = torch.cat([v, pad.expand(bs - B, *v.shape[1:])])
-            self.static[k][(slice(0, v.shape[0]),) + tuple(slice(0, n) for n in v.shape[1:])].copy_(v)
+            if v.device.type == "cpu":
+                v = v.pin_memory()  # see to_device
+            self.static[k][(slice(0, v.shape[0]),) + tuple(slice(0, n) for n in v.shape[1:])].copy_(
+                v, non_blocking=True)
 
     def replay(self, batch: int) -> tuple:
         g, out = self.graphs[self.bucket(batch)]

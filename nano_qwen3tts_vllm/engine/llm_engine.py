@@ -1,4 +1,5 @@
-"""The engine loop: schedule, run the talker (prefill) or predictor + talker (decode), book-keep."""
+"""The engine loop: schedule, run the talker (prefill) or predictor + talker (decode), book-keep. Consecutive
+decode steps are pipelined (async scheduling): step t+1 is launched before step t's results are read."""
 from __future__ import annotations
 
 import logging
@@ -15,6 +16,13 @@ from .scheduler import Scheduler
 from .sequence import Prompt, Sequence, decode_batch
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class DecodeStep:
+    """A launched decode step: its sequences in batch order and the executor's handle of its results."""
+    seqs: list[Sequence]
+    handle: object
 
 
 @dataclass
@@ -47,6 +55,8 @@ class LLMEngine:
             self.executor = InProcessExecutor(self.model_cfg, self.cfg, model_dir, self.device, self.dtype)
         self.scheduler = Scheduler(self.cfg, self.executor.num_blocks)
         self.seqs: dict[str, Sequence] = {}
+        self.pipelined = self.cfg.async_scheduling and self.executor.pipelined
+        self._inflight: DecodeStep | None = None
         self._seed_rng = random.SystemRandom()
         if self.device.type == "cuda":
             self.warmup()
@@ -95,15 +105,23 @@ class LLMEngine:
         return True
 
     def has_unfinished(self) -> bool:
-        return not self.scheduler.is_finished()
+        return not self.scheduler.is_finished() or self._inflight is not None
 
     def step(self) -> list[StepOutput]:
-        seqs, is_prefill = self.scheduler.schedule()
-        if not seqs:
-            return []
-        if is_prefill:
-            return self._prefill(seqs)
-        return self._decode(seqs)
+        """Prefill or decode; returns the outputs of the step collected now. Pipelined, the next decode step is
+        launched before this one's results are waited for, so the device runs it during this one's book-keeping
+        (and the caller's delivery): outputs lag the device by one step."""
+        if self._inflight is None:
+            seqs, is_prefill = self.scheduler.schedule()
+            if not seqs:
+                return []
+            if is_prefill:
+                return self._prefill(seqs)
+            self._inflight = self._launch(seqs)
+        step, self._inflight = self._inflight, None
+        if self.pipelined:
+            self._inflight = self._launch_next()
+        return self._collect(step)
 
     def _prefill(self, seqs: list[Sequence]) -> list[StepOutput]:
         c0 = self.executor.prefill([s.prefill_row() for s in seqs])
@@ -115,10 +133,30 @@ class LLMEngine:
                     outputs.append(out)
         return outputs
 
-    def _decode(self, seqs: list[Sequence]) -> list[StepOutput]:
-        codes, c0 = self.executor.decode(decode_batch(seqs))
+    def _launch(self, seqs: list[Sequence]) -> DecodeStep:
+        handle = self.executor.launch_decode(decode_batch(seqs))
+        for seq in seqs:
+            seq.inflight += 1
+        return DecodeStep(seqs, handle)
+
+    def _launch_next(self) -> DecodeStep | None:
+        """The next decode step while one is in flight, on the assumption that none of its sequences stops
+        (EOS) in it; None where the scheduler needs the step collected first."""
+        seqs = self.scheduler.schedule_next_decode()
+        return self._launch(seqs) if seqs else None
+
+    def _collect(self, step: DecodeStep) -> list[StepOutput]:
+        codes, c0 = self.executor.collect(step.handle)
         outputs = []
-        for seq, frame, tok in zip(seqs, codes.tolist(), c0.tolist()):
+        for seq, frame, tok in zip(step.seqs, codes.tolist(), c0.tolist()):
+            seq.inflight -= 1
+            # Aborted, or stopped (EOS) in the step before, after this one was launched: drop its results. Its
+            # blocks and slot were freed while this step ran, which is safe: whatever reuses them (another
+            # sequence's KV write, a prefill into the slot) is launched after this step on the same stream, so it
+            # runs after this step's writes; and a block's next owner reads only positions it wrote itself, but
+            # for prefix-cache hits: full prompt blocks, never the frame position this step wrote.
+            if seq.is_finished:
+                continue
             seq.frames.append(frame)
             out = StepOutput(seq.request_id, frame, False)
             done = self._append_c0(seq, tok)

@@ -10,9 +10,9 @@ from ..config import EngineConfig, ModelConfig
 from ..layers.attention import DenseAttention, DenseMetadata
 from ..models.loader import load_weights
 from ..models.predictor import CodePredictor
-from .cuda_graphs import GraphPool
+from .cuda_graphs import GraphPool, to_device
 from .sampler import SamplingTensors, SlotSettings, sample
-from .sequence import NUM_FRAMES, PENDING_C0, SLOT, DecodeBatch, PrefillRow
+from .sequence import NUM_FRAMES, SLOT, DecodeBatch, PrefillRow
 
 
 def predictor_settings(row: PrefillRow) -> dict:
@@ -68,21 +68,22 @@ class PredictorRunner:
         return torch.stack(codes, dim=1), torch.stack(embeds, dim=1).sum(1)
 
     @torch.inference_mode()
-    def run(self, batch: DecodeBatch, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """hidden [B, H]: each sequence's last talker hidden state -> (codes [B, 16], frame sums [B, H])."""
-        inp = dict(rows=torch.from_numpy(batch.rows), hidden=hidden)
+    def run(self, batch: DecodeBatch, hidden: torch.Tensor, c0: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden [B, H]: each sequence's last talker hidden state; c0 [B] (on the device or the host): the
+        codebook-0 id each frame starts from -> (codes [B, 16], frame sums [B, H])."""
+        inp = dict(rows=torch.from_numpy(batch.rows), hidden=hidden, c0=c0)
         if self.graphs is not None:
             return self.graphs.run(inp)
-        return self._graph_body({k: v.to(self.device) for k, v in inp.items()})
+        return self._graph_body({k: to_device(v, self.device) for k, v in inp.items()})
 
     def _graph_body(self, inp: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         rows = inp["rows"]
-        return self.frame_step(inp["hidden"], rows[:, PENDING_C0], self.settings.gather(rows[:, SLOT]),
-                               rows[:, NUM_FRAMES])
+        return self.frame_step(inp["hidden"], inp["c0"], self.settings.gather(rows[:, SLOT]), rows[:, NUM_FRAMES])
 
     def _graph_rows(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         pad_row = torch.zeros(6, dtype=torch.long)
         pad_row[SLOT] = self.cfg.max_num_seqs
         rows = dict(rows=pad_row.to(self.device),
-                    hidden=torch.zeros(self.model_cfg.talker.hidden_size, dtype=self.dtype, device=self.device))
+                    hidden=torch.zeros(self.model_cfg.talker.hidden_size, dtype=self.dtype, device=self.device),
+                    c0=torch.zeros((), dtype=torch.long, device=self.device))
         return rows, dict(rows=pad_row)

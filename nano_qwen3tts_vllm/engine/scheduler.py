@@ -61,6 +61,28 @@ class Scheduler:
         self.running.extendleft(reversed(scheduled))
         return scheduled, False
 
+    def schedule_next_decode(self) -> list[Sequence] | None:
+        """While a decode step is in flight: the next one, for the running sequences that do not reach
+        max_new_tokens with it, with their blocks appended. None where the engine must collect the step in
+        flight first and schedule() anew: nothing would run, a waiting sequence may be admitted, or a
+        sequence would have to be preempted."""
+        seqs = [s for s in self.running if not s.finishes_in_flight]
+        if not seqs or self._may_admit(finishing=len(self.running) - len(seqs)):
+            return None
+        bm = self.block_manager
+        if sum(bm.needs_block(s) for s in seqs) > bm.num_free_blocks:
+            return None
+        for seq in seqs:
+            bm.may_append(seq)
+        return seqs
+
+    def _may_admit(self, finishing: int) -> bool:
+        """Whether schedule() may admit the first waiting sequence once `finishing` running ones are done
+        (the blocks they free are not counted: any finishing sequence may make room)."""
+        if not self.waiting or len(self.running) - finishing >= self.max_num_seqs:
+            return False
+        return finishing > 0 or self.block_manager.can_allocate(self.waiting[0])
+
     def preempt(self, seq: Sequence) -> None:
         logger.debug("preempting sequence %s at %d frames", seq.request_id, len(seq.frames))
         self.num_preemptions += 1

@@ -59,8 +59,9 @@ class DecodeBatch:
     worker and to copy into a CUDA graph's inputs. Everything else a runner needs (sampling settings,
     repetition history) it keeps per slot since the sequence's prefill."""
     rows: np.ndarray           # [B, 6] int64: slot, c0 sampled so far, frames so far, KV positions so far
-    #                            (the step writes position num_tokens), the c0 this frame starts from,
-    #                            the text id added to the frame fed back
+    #                            (the step writes position num_tokens), the c0 this frame starts from
+    #                            (-1 while the step that samples it is in flight: the in-process executor
+    #                            keeps it on the device), the text id added to the frame fed back
     block_tables: np.ndarray   # [B, W] int32, padded with -1
 
     @property
@@ -94,6 +95,7 @@ class Sequence:
         self.num_cached_tokens = 0         # leading positions whose KV came from the prefix cache
         self.slot = -1                     # row of per-sequence sampler state while running
         self.finish_reason: str | None = None
+        self.inflight = 0                  # decode steps launched whose frame and c0 are not appended yet
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -101,8 +103,8 @@ class Sequence:
 
     @property
     def num_tokens(self) -> int:
-        """Positions whose KV exists (or will after the next prefill)."""
-        return len(self.prompt) + len(self.frames)
+        """Positions whose KV exists (or will after the next prefill, or the steps in flight)."""
+        return len(self.prompt) + len(self.frames) + self.inflight
 
     @property
     def num_blocks(self) -> int:
@@ -111,6 +113,11 @@ class Sequence:
     @property
     def has_pending_c0(self) -> bool:
         return len(self.c0) > len(self.frames)
+
+    @property
+    def finishes_in_flight(self) -> bool:
+        """max_new_tokens is reached by the c0 of a step in flight (whatever it samples)."""
+        return self.inflight > 0 and len(self.c0) + self.inflight >= self.params.max_new_tokens
 
     @property
     def is_finished(self) -> bool:
@@ -144,8 +151,10 @@ class Sequence:
         return row
 
     def decode_row(self) -> tuple[int, int, int, int, int, int]:
-        n = len(self.frames)
-        return self.slot, len(self.c0), n, self.num_tokens, self.c0[n], self.step_text_id(n)
+        """The next decode step's row, counting the steps in flight as done."""
+        n = len(self.frames) + self.inflight
+        pending = self.c0[n] if n < len(self.c0) else -1
+        return self.slot, len(self.c0) + self.inflight, n, self.num_tokens, pending, self.step_text_id(n)
 
     def block_bytes(self, i: int) -> bytes:
         """Content of prompt block i for prefix hashing (speaker vector included)."""

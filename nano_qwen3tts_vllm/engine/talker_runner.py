@@ -13,7 +13,7 @@ from ..config import EngineConfig, ModelConfig
 from ..layers.attention import PagedAttention, PagedMetadata
 from ..models.loader import load_weights
 from ..models.talker import Talker
-from .cuda_graphs import GraphPool, PrefillGraphs
+from .cuda_graphs import GraphPool, PrefillGraphs, to_device
 from .sampler import SlotSettings, apply_penalties, sample
 from .sequence import NUM_C0, NUM_TOKENS, SLOT, TEXT_ID, DecodeBatch, PrefillRow
 
@@ -205,7 +205,7 @@ class TalkerRunner:
         if self.graphs is not None:
             self.graphs.load(inp)
         else:
-            self._eager = {k: v.to(self.device) for k, v in inp.items()}
+            self._eager = {k: to_device(v, self.device) for k, v in inp.items()}
 
     @torch.inference_mode()
     def run_decode(self, frame_sum: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

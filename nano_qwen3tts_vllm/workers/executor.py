@@ -30,6 +30,8 @@ class WorkerError(RuntimeError):
 
 
 class MultiprocessExecutor:
+    pipelined = False  # decode rows carry each frame's c0: a step needs the one before it collected
+
     def __init__(self, model_dir: str | Path, cfg: EngineConfig, talker_device: torch.device,
                  predictor_device: torch.device, dtype: torch.dtype, step_timeout_s: float = 120.0,
                  start_timeout_s: float = 900.0, max_restarts: int = 3):
@@ -112,7 +114,9 @@ class MultiprocessExecutor:
                                               block_table=[]) for r in rows]
         return self._collect({"c0"})["c0"][0]["c0"]
 
-    def decode(self, batch: DecodeBatch) -> tuple[np.ndarray, np.ndarray]:
+    def launch_decode(self, batch: DecodeBatch) -> tuple[np.ndarray, np.ndarray]:
+        """Runs the whole step (the predictor worker takes each frame's c0 from the rows, so the engine cannot
+        launch a step before the last one is collected: see `pipelined`); the handle is the result."""
         self.step += 1
         self._send("predictor", {"op": "decode", "step": self.step, "sync": self.unsynced, "admit": self.admitted},
                    [batch.rows])
@@ -121,6 +125,10 @@ class MultiprocessExecutor:
         self.unsynced += 1
         got = self._collect({"codes", "c0"})
         return got["codes"][1][0].numpy(), got["c0"][1][0].numpy()
+
+    def collect(self, handle: tuple[np.ndarray, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+        """-> (codes [B, 16], next c0 [B])."""
+        return handle
 
     def _send(self, role: str, msg: dict, arrays: list[np.ndarray] | tuple = ()) -> None:
         if not self.is_alive():

@@ -16,7 +16,7 @@ import torch
 import zmq
 
 from ..config import EngineConfig, ModelConfig
-from ..engine.sequence import DecodeBatch
+from ..engine.sequence import PENDING_C0, DecodeBatch
 from .protocol import make_socket, poll, recv, send
 
 logger = logging.getLogger(__name__)
@@ -123,7 +123,8 @@ class PredictorWorker:
             self.hidden[header["slots"]] = hidden.to(self.device)
         batch = DecodeBatch(arrays[0], np.empty((len(arrays[0]), 0), dtype=np.int32))
         slots = torch.from_numpy(batch.slots).to(self.device)
-        codes, frame_sum = self.runner.run(batch, self.hidden[slots])
+        c0 = torch.from_numpy(np.ascontiguousarray(batch.rows[:, PENDING_C0]))
+        codes, frame_sum = self.runner.run(batch, self.hidden[slots], c0)
         send(self.frames_out, {"step": msg["step"]}, [frame_sum])  # the talker starts now
         return {"op": "codes"}, [codes]
 
