@@ -81,10 +81,14 @@ def test_bf16_codes_valid_and_seeded_batching(gpu_models):
         assert codes.shape[1] == 16 and codes.shape[0] >= 1
         assert int(codes[:, 0].max()) < 2048 and int(codes.min()) >= 0 and int(codes[:, 1:].max()) < 2048
         assert wav.dtype == np.float32 and np.isfinite(wav).all() and wav.shape == (codes.shape[0] * 1920,)
-    alone = [mine.generate_custom_voice(t, speaker="vivian", language="english", max_new_tokens=40, seed=3)[0][0]
-             for t in TEXTS]
+    batched = mine.codes
+    alone = []
+    for t in TEXTS:
+        alone.append(mine.generate_custom_voice(t, speaker="vivian", language="english", max_new_tokens=40, seed=3)[0][0])
+        assert torch.equal(mine.codes[0], batched[len(alone) - 1])  # generation is batch-invariant here
+    # the audio of equal codes: whole clips are decoded batched, so bf16 rounding may differ with the batch
     for a, b in zip(alone, wavs):
-        np.testing.assert_array_equal(a, b)
+        np.testing.assert_allclose(a, b, atol=3e-2)
 
 
 def test_graph_and_eager_agree_fp32(ckpt):

@@ -33,9 +33,10 @@ class StreamingCodecDecoder:
     """Incremental decoder over a loaded `Qwen3TTSTokenizerV2Decoder` (shares its weights but for the convolutions',
     which it keeps once more in the layout below).
 
-    Activations are time-major, [B, T, C], all the way down: a convolution runs as a 2-D one on the channels-last
-    view [B, C, 1, T] of that memory (cuDNN then needs no layout transforms), a 1x1 one as a matmul, the final
-    96 -> 1 one as a matmul and a shifted sum, SnakeBeta as one Triton kernel.
+    Activations are time-major, [B, T, C], all the way down, and nothing runs through cuDNN (whose heuristics pick
+    very slow kernels for some of these shapes, and whose benchmark mode tries those kernels too): a convolution
+    is one matmul over its unfolded input, a transposed one a matmul and a shifted sum, the depthwise ones (ConvNeXt)
+    and the final 96 -> 1 one shifted sums, SnakeBeta one Triton kernel.
 
     Not thread-safe: one `decode`/`reset` at a time (`decode_clips` keeps no shared state). The slots of one call
     must be distinct.
@@ -47,11 +48,6 @@ class StreamingCodecDecoder:
         p = next(decoder.parameters())
         self.device, self.dtype = p.device, p.dtype
         self.ref, self.max_streams = decoder, max_streams
-        if self.device.type == "cuda":
-            # cuDNN's heuristics pick a direct "grouped" kernel for some of these channels-last shapes (the dilated
-            # 192-channel convolutions: 43.6 ms for 16 streams x 4 frames on an H100, ~1000x too slow); timing the
-            # candidates once per shape avoids it. Only the codec's convolutions run through cuDNN here.
-            torch.backends.cudnn.benchmark = True
         self.scratch_slot = max_streams  # one more slot: where padded rows of a CUDA-graph batch decode
         self.upsample = int(decoder.total_upsample)   # audio samples per frame
         self.num_quantizers = decoder.config.num_quantizers
@@ -60,7 +56,7 @@ class StreamingCodecDecoder:
         self.inv_freq, self.rope_scale = tf.rotary_emb.inv_freq.float(), tf.rotary_emb.attention_scaling
         self._codebooks(decoder.quantizer)
         self.shapes: dict[nn.Module, tuple[int, ...]] = {}  # per module: the shape of one stream's carried inputs
-        self.weights: dict[nn.Module, torch.Tensor] = {}     # convolution weights, channels-last 2-D
+        self.weights: dict[nn.Module, torch.Tensor] = {}     # convolution weights as matmul operands
         self.snake: dict[nn.Module, tuple[torch.Tensor, torch.Tensor]] = {}
         with torch.no_grad():
             for m in decoder.modules():
@@ -85,15 +81,18 @@ class StreamingCodecDecoder:
         name = type(m).__name__
         if name == "Qwen3TTSTokenizerV2CausalConvNet":
             _support(m.stride == 1, "strided causal convolutions")
-            self.weights[m] = m.conv.weight[:, :, None].contiguous(memory_format=torch.channels_last)
+            w = m.conv.weight  # [out, in / groups, taps] -> [out, in * taps], the order of an unfolded input
+            self.weights[m] = w.reshape(w.shape[0], -1).contiguous()
             if m.kernel_size > 1:  # kernel_size is the dilated extent: the inputs carried over
                 self.shapes[m] = (m.kernel_size - 1, m.conv.in_channels)
         elif name == "Qwen3TTSTokenizerV2CausalTransConvNet":
             c = m.conv
             _support(c.padding == (0,) and c.output_padding == (0,) and c.dilation == (1,) and m.left_pad == 0,
                      "padded or dilated transposed convolutions")
-            self.weights[m] = c.weight[:, :, None].contiguous(memory_format=torch.channels_last)
-            carry = math.ceil(c.kernel_size[0] / c.stride[0]) - 1  # earlier input frames an output frame reads
+            _support(c.kernel_size[0] % c.stride[0] == 0 and c.groups == 1, "grouped or uneven transposed convolutions")
+            w = c.weight  # [in, out, taps] -> [taps * out, in]: one matmul gives every tap's output of an input
+            self.weights[m] = w.permute(2, 1, 0).reshape(-1, w.shape[0]).contiguous()
+            carry = c.kernel_size[0] // c.stride[0] - 1  # earlier input frames an output frame reads
             if carry:
                 self.shapes[m] = (carry, c.in_channels)
         elif name == "Qwen3TTSTokenizerV2DecoderAttention":
@@ -186,30 +185,34 @@ class StreamingCodecDecoder:
     def _conv(self, x: torch.Tensor, m: nn.Module, st: dict) -> torch.Tensor:
         if m in st:
             x = torch.cat([st[m], x], 1)
-            st[m] = x[:, -(m.kernel_size - 1):]
+            st[m] = x[:, -(m.kernel_size - 1):].contiguous()  # a copy: a view would keep all of x alive
         c, w = m.conv, self.weights[m]
-        if c.kernel_size[0] == 1 and c.groups == 1:
-            return F.linear(x, w[:, :, 0, 0], c.bias)
-        n, dil = x.shape[1] - m.kernel_size + 1, c.dilation[0]
-        if c.out_channels == 1 and c.groups == 1:  # the last layer: one matmul, then a shifted sum over the taps
-            u = x @ w[0, :, 0]  # [B, T + extent - 1, kernel]
-            return (sum(u[:, j * dil:j * dil + n, j] for j in range(c.kernel_size[0])) + c.bias)[..., None]
-        if c.groups == c.in_channels == c.out_channels:  # depthwise (ConvNeXt, at 25-50 Hz): cuDNN's kernel for
-            w = c.weight[:, 0]                           # it in this layout is ~1000x slower than a shifted sum
-            return sum(x[:, j * dil:j * dil + n] * w[:, j] for j in range(c.kernel_size[0])) + c.bias
-        y = F.conv2d(x.transpose(1, 2)[:, :, None], w, c.bias, dilation=(1, c.dilation[0]), groups=c.groups)
-        return y[:, :, 0].transpose(1, 2)
+        taps, dil, n = c.kernel_size[0], c.dilation[0], x.shape[1] - m.kernel_size + 1
+        if taps == 1:
+            return F.linear(x, w, c.bias)
+        if c.groups == c.in_channels == c.out_channels:  # depthwise (ConvNeXt, at 25-50 Hz): a shifted sum
+            w = w.view(-1, taps)
+            return sum(x[:, j * dil:j * dil + n] * w[:, j] for j in range(taps)) + c.bias
+        if c.out_channels == 1:  # the last layer: one matmul over the input, then a shifted sum over the taps
+            u = F.linear(x, w.view(-1, taps).t())  # [B, T + extent - 1, taps]
+            return (sum(u[:, j * dil:j * dil + n, j] for j in range(taps)) + c.bias)[..., None]
+        # no cuDNN: its heuristics pick ~1000x too slow kernels for some of these shapes in this layout. The
+        # taps of every output position side by side ([B, n, in, taps], one copy), then one matmul.
+        cols = x.unfold(1, m.kernel_size, 1)[..., ::dil]
+        return F.linear(cols.reshape(x.shape[0], n, -1), w, c.bias)
 
     def _tconv(self, x: torch.Tensor, m: nn.Module, st: dict) -> torch.Tensor:
-        c, n = m.conv, x.shape[1]
+        """Transposed convolution with stride s and taps = q * s: each input frame's taps are one matmul row; an
+        output frame's s samples sum tap groups 0..q-1 of the input frame at its position and the q-1 before."""
+        c, n, B = m.conv, x.shape[1], x.shape[0]
         s, carry = c.stride[0], 0
         if m in st:
             carry = st[m].shape[1]
             x = torch.cat([st[m], x], 1)
-            st[m] = x[:, -carry:]
-        y = F.conv_transpose2d(x.transpose(1, 2)[:, :, None], self.weights[m], c.bias, stride=(1, s))
-        # the carried frames' own outputs went out last call
-        return y[:, :, 0, carry * s:(carry + n) * s].transpose(1, 2).contiguous()
+            st[m] = x[:, -carry:].contiguous()
+        z = F.linear(x, self.weights[m]).view(B, carry + n, carry + 1, s, c.out_channels)
+        y = sum(z[:, carry - j:carry - j + n, j] for j in range(carry + 1)) + c.bias  # [B, n, s, out]
+        return y.reshape(B, n * s, c.out_channels)
 
     def _snake(self, x: torch.Tensor, m: nn.Module) -> torch.Tensor:
         alpha, inv_beta = self.snake[m]
