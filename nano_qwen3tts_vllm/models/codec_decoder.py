@@ -10,12 +10,12 @@ whole stream, however long, to float rounding.
 `StreamingCodecDecoder` keeps that state for `max_streams` slots in preallocated buffers. `decode` gathers
 the state of its slots, runs the math with the reference's own weights, and scatters the new state back:
 fixed shapes for a fixed (batch, frames), no host syncs, so one call can be captured in a CUDA graph.
+`decode_clips` runs the same math over whole clips, chunked as the reference's own decode chunks them.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import threading
 
 import numpy as np
