@@ -250,6 +250,14 @@ def test_sampled_frequencies_follow_warped_softmax(V, temperature, top_k, top_p,
     st = _st([(True, temperature, top_k, top_p, seed)] * n)
     tokens = sample(logits, st, torch.arange(n))
 
+    assert_follows_warped_softmax(tokens, base, temperature, top_k, top_p)
+
+
+def assert_follows_warped_softmax(tokens: torch.Tensor, base: torch.Tensor, temperature: float, top_k: int,
+                                  top_p: float) -> None:
+    """`tokens`, n draws from the logits `base` [V], never leave transformers' top-k/top-p set and follow its
+    warped softmax (chi-square)."""
+    n, V = tokens.numel(), base.numel()
     probs = _hf_warp_row(base, temperature, top_k, top_p).softmax(-1).double()
     support = probs > 0
     if top_k or top_p < 1:

@@ -14,7 +14,7 @@ from nano_qwen3tts_vllm.engine.sampler import (SamplingTensors, _column_hash, _s
 
 pytest.importorskip("triton", reason="the Triton sampler needs triton")
 from nano_qwen3tts_vllm.layers.triton_sampler import triton_sample  # noqa: E402
-from test_sampler import _chisquare_pvalue, _hf_warp_row  # noqa: E402  (the transformers oracle and the chi-square tail)
+from test_sampler import assert_follows_warped_softmax  # noqa: E402  (the transformers oracle, chi-square)
 
 CUDA = torch.cuda.is_available()
 CPU_ONLY = pytest.mark.skipif(CUDA, reason="compiled Triton rejects CPU tensors: the cuda variant runs instead")
@@ -253,16 +253,7 @@ def test_sampled_frequencies_follow_warped_softmax(V, temperature, top_k, top_p,
     n = n_cpu if device == "cpu" else 20000
     st = _st([(True, temperature, top_k, top_p, 42)] * n)
     tokens = kernel(base.expand(n, V), st, torch.arange(n), device)
-    probs = _hf_warp_row(base, temperature, top_k, top_p).softmax(-1).double()
-    support = probs > 0
-    if top_k or top_p < 1:
-        assert support.sum() < V
-    counts = torch.bincount(tokens, minlength=V).double()
-    assert counts[~support].sum() == 0, "a token outside the top-k/top-p set was sampled"
-    assert counts[support].min() > 0
-    pvalue = _chisquare_pvalue(counts[support], probs[support] * n)
-    assert pvalue > 1e-3, f"chi-square p = {pvalue}: counts {counts[support].tolist()}, " \
-                          f"expected {(probs[support] * n).tolist()}"
+    assert_follows_warped_softmax(tokens, base, temperature, top_k, top_p)
 
 
 def test_sample_dispatch(monkeypatch):
