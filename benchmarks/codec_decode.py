@@ -3,12 +3,16 @@
     python benchmarks/codec_decode.py                      # CUDA, bf16, full-size codec, B 1 16 64, T 4 12
     python benchmarks/codec_decode.py --cuda-graphs        # also the incremental decode replayed as CUDA graphs
     python benchmarks/codec_decode.py --model tiny-random --device cpu --dtype float32 --iters 3
+    python benchmarks/codec_decode.py --clips 256 --convs triton torch --modes   # whole clips only
 
 Per chunk of T new frames for each of B streams:
   windowed     the reference decoder over the chunk plus `--context` (72) earlier frames, new samples kept
                (what streaming did before StreamingCodecDecoder: 84 frames decoded for 12 new at T=12)
   incremental  StreamingCodecDecoder.decode: only the T new frames, with each stream's carried state
   graph        the same call captured per (B, T) in a torch.cuda.CUDAGraph and replayed (--cuda-graphs)
+  clips        --clips N: N whole clips of --clip-frames frames through decode_clips (the reference's 300/25
+               chunking, batched), against the reference's own chunked decode of them in groups of 16
+--convs picks the incremental decoder's convolutions: the fused Triton kernel, torch ops (unfold + matmul), or both.
 One JSON line per measurement: ms per call and audio seconds decoded per second (all B streams together).
 The codec is the same for every Qwen3-TTS model, so the default checkpoint's size is what matters.
 """
@@ -69,24 +73,68 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=72, help="left context frames of the windowed decode")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--modes", nargs="+", default=["windowed", "incremental"], choices=["windowed", "incremental"])
+    ap.add_argument("--modes", nargs="*", default=["windowed", "incremental"], choices=["windowed", "incremental"])
+    ap.add_argument("--convs", nargs="+", default=["auto"], choices=["auto", "triton", "torch"],
+                    help="the incremental decoder's convolutions (auto: Triton on CUDA)")
+    ap.add_argument("--clips", type=int, default=0, help="also decode this many whole clips (decode_clips)")
+    ap.add_argument("--clip-frames", type=int, default=125)
+    ap.add_argument("--profile", action="store_true", help="clips: print the top CUDA kernels of one decode_clips")
     ap.add_argument("--cuda-graphs", action="store_true", help="also time the incremental decode as CUDA graphs")
     args = ap.parse_args()
     if args.cuda_graphs and not args.device.startswith("cuda"):
         ap.error("--cuda-graphs needs --device cuda")
 
+    ref = load_decoder(args.model, args.device, getattr(torch, args.dtype))
+    if args.clips:
+        clips(ref, args)
+    if args.modes or args.cuda_graphs:
+        for convs in args.convs:
+            streams(ref, args, None if convs == "auto" else convs == "triton")
+
+
+def report(args, mode: str, b: int, t: int, ms: float, up: int, **extra) -> None:
+    audio_s = b * t * up / SAMPLE_RATE
+    print(json.dumps(dict(mode=mode, B=b, T=t, ms=round(ms, 3), audio_s_per_s=round(audio_s / ms * 1000, 1),
+                          device=args.device, dtype=args.dtype, model=args.model, **extra)), flush=True)
+
+
+def clips(ref, args) -> None:
+    """decode_clips per --convs against the reference's chunked decode (groups of 16), and their max difference."""
     from nano_qwen3tts_vllm.models.codec_decoder import StreamingCodecDecoder
-    dtype = getattr(torch, args.dtype)
-    ref = load_decoder(args.model, args.device, dtype)
+    q, up, n, f = ref.config.num_quantizers, int(ref.total_upsample), args.clips, args.clip_frames
+    gen = torch.Generator().manual_seed(1)
+    codes = [torch.randint(0, 2048, (f, q), generator=gen) for _ in range(n)]
+    with torch.inference_mode():
+        def reference():
+            return [w for i in range(0, n, 16)
+                    for w in ref.chunked_decode(torch.stack(codes[i:i + 16]).transpose(1, 2).to(args.device))[:, 0]]
+        expected = reference()[:4]
+        report(args, "clips-reference", n, f, timed(reference, args.device, 2, 1), up)
+    for convs in args.convs:
+        dec = StreamingCodecDecoder(ref, max_streams=1, triton=None if convs == "auto" else convs == "triton")
+        first = time.perf_counter()
+        out = dec.decode_clips(codes)
+        if args.device.startswith("cuda"):
+            torch.cuda.synchronize()
+        first = (time.perf_counter() - first) * 1000
+        diff = max((a.float() - b.float()).abs().max().item() for a, b in zip(out, expected))
+        ms = timed(lambda: dec.decode_clips(codes), args.device, 3, 1)
+        report(args, "clips", n, f, ms, up, convs=convs, first_call_ms=round(first, 1), max_abs_vs_reference=diff)
+        if args.profile:
+            from torch.profiler import ProfilerActivity, profile
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                dec.decode_clips(codes)
+                torch.cuda.synchronize()
+            print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15), flush=True)
+
+
+def streams(ref, args, triton: bool | None) -> None:
+    from nano_qwen3tts_vllm.models.codec_decoder import StreamingCodecDecoder
     q, up = ref.config.num_quantizers, int(ref.total_upsample)
-    dec = StreamingCodecDecoder(ref, max_streams=max(args.batches))
+    dec = StreamingCodecDecoder(ref, max_streams=max(args.batches), triton=triton)
+    convs = "triton" if dec.triton else "torch"
     pool = torch.cuda.graph_pool_handle() if args.cuda_graphs else None
     gen = torch.Generator().manual_seed(0)
-
-    def report(mode: str, b: int, t: int, ms: float, **extra) -> None:
-        audio_s = b * t * up / SAMPLE_RATE
-        print(json.dumps(dict(mode=mode, B=b, T=t, ms=round(ms, 3), audio_s_per_s=round(audio_s / ms * 1000, 1),
-                              device=args.device, dtype=args.dtype, model=args.model, **extra)), flush=True)
 
     keep = []
     for b in args.batches:
@@ -97,12 +145,12 @@ def main() -> None:
                 window = torch.randint(0, 2048, (b, q, args.context + t), generator=gen).to(args.device)
                 with torch.inference_mode():
                     ms = timed(lambda: ref(window)[..., -t * up:], args.device, args.iters, args.warmup)
-                report("windowed", b, t, ms, frames_decoded_per_stream=args.context + t)
+                report(args, "windowed", b, t, ms, up, frames_decoded_per_stream=args.context + t)
             if "incremental" in args.modes:
                 dec.reset(slots)
                 dec.decode(slots, torch.randint(0, 2048, (b, 80, q), generator=gen).to(args.device))  # past 72
                 ms = timed(lambda: dec.decode(slots, codes), args.device, args.iters, args.warmup)
-                report("incremental", b, t, ms, frames_decoded_per_stream=t)
+                report(args, "incremental", b, t, ms, up, frames_decoded_per_stream=t, convs=convs)
             if args.cuda_graphs:
                 graph, out = capture(dec, slots, codes, pool)
                 dec.reset(slots)
@@ -111,7 +159,7 @@ def main() -> None:
                 graph.replay()
                 diff = (out.float() - eager).abs().max().item()  # the replay must do what the eager call does
                 ms = timed(graph.replay, args.device, args.iters, args.warmup)
-                report("graph", b, t, ms, frames_decoded_per_stream=t, graph_vs_eager_max_abs=diff)
+                report(args, "graph", b, t, ms, up, frames_decoded_per_stream=t, graph_vs_eager_max_abs=diff, convs=convs)
                 keep.append((graph, out))  # graphs sharing a pool stay alive until the end
 
 

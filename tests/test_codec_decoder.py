@@ -145,6 +145,25 @@ def test_whole_clips_equal_the_references_chunked_decode(ref):
     assert max_diff(out[0][300 * UP:], one_shot(ref, clips[0])[300 * UP:]) > 1e-2
 
 
+def test_triton_convolutions_equal_the_reference(reference):
+    """The fused Triton convolutions (snake before, residual after, carried inputs read in place; on CPU in
+    Triton's interpreter) give the one-shot decode, streamed in uneven chunks by two streams at once."""
+    pytest.importorskip("triton", reason="the fused convolution kernel needs triton")
+    import copy
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    codes = [random_codes(12, 50), random_codes(12, 51)]
+    dec = StreamingCodecDecoder(copy.deepcopy(reference).to(device), max_streams=2, triton=True)
+    assert any(w.dim() == 3 for w in dec.weights.values())  # the kernel's [taps, in, out] operands are in use
+    slots, out, start = torch.tensor([1, 0], device=device), [], 0
+    for n in (1, 3, 8):
+        out.append(dec.decode(slots, torch.stack([c[start:start + n] for c in codes]).to(device)))
+        start += n
+    wav = torch.cat(out, 1).cpu()
+    for i, c in enumerate(codes):
+        diff = max_diff(wav[i], one_shot(reference, c))
+        assert diff < ATOL[torch.float32], (i, diff)
+
+
 def test_slot_pool_never_waits():
     pool = SlotPool(2)
     a, b = pool.acquire(), pool.acquire()

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils.rnn import pad_sequence
 
+from ..layers.triton_conv import causal_conv
 from ..layers.triton_snake import snake
 
 logger = logging.getLogger(__name__)
@@ -34,20 +35,24 @@ class StreamingCodecDecoder:
     which it keeps once more in the layout below).
 
     Activations are time-major, [B, T, C], all the way down, and nothing runs through cuDNN (whose heuristics pick
-    very slow kernels for some of these shapes, and whose benchmark mode tries those kernels too): a convolution
-    is one matmul over its unfolded input, a transposed one a matmul and a shifted sum, the depthwise ones (ConvNeXt)
-    and the final 96 -> 1 one shifted sums, SnakeBeta one Triton kernel.
+    very slow kernels for some of these shapes, and whose benchmark mode tries those kernels too). A convolution is
+    one matmul over its unfolded input, or with `triton` (on CUDA), where it is faster, one implicit-GEMM kernel that
+    reads the carried inputs in place and adds the residual (`layers/triton_conv`; for a 1x1 convolution it also
+    applies the SnakeBeta before). A transposed convolution is a matmul and a shifted sum, the depthwise ones
+    (ConvNeXt) and the final 96 -> 1 one shifted sums, a SnakeBeta one Triton kernel.
 
     Not thread-safe: one `decode`/`reset` at a time (`decode_clips` keeps no shared state). The slots of one call
     must be distinct.
     """
 
-    def __init__(self, decoder: nn.Module, max_streams: int):
+    def __init__(self, decoder: nn.Module, max_streams: int, triton: bool | None = None):
+        """`triton`: convolutions through the fused Triton kernel (default: on CUDA)."""
         if max_streams < 1:
             raise ValueError(f"max_streams must be >= 1, got {max_streams}")
         p = next(decoder.parameters())
         self.device, self.dtype = p.device, p.dtype
         self.ref, self.max_streams = decoder, max_streams
+        self.triton = self.device.type == "cuda" if triton is None else triton
         self.scratch_slot = max_streams  # one more slot: where padded rows of a CUDA-graph batch decode
         self.upsample = int(decoder.total_upsample)   # audio samples per frame
         self.num_quantizers = decoder.config.num_quantizers
@@ -74,6 +79,14 @@ class StreamingCodecDecoder:
         self.n_first = q.n_q_semantic
         self.proj_first, self.proj_rest = q.rvq_first.output_proj.weight[..., 0], q.rvq_rest.output_proj.weight[..., 0]
 
+    def _triton_conv(self, c: nn.Conv1d) -> bool:
+        """Where the Triton kernel beat unfold + cuBLAS on an H100 (benchmarks/NOTES.md, session 6): dilated
+        convolutions of up to 384 channels, and 1x1 ones of up to 128 outputs, their snake fused (the kernel
+        computes it per tap and per output tile: once for those)."""
+        if not self.triton or c.groups != 1 or c.out_channels == 1:
+            return False
+        return c.in_channels <= 384 if c.kernel_size[0] > 1 else c.out_channels <= 128
+
     def _zeros(self, n: int, m: nn.Module) -> torch.Tensor:
         return torch.zeros(n, *self.shapes[m], dtype=self.dtype, device=self.device)
 
@@ -81,8 +94,11 @@ class StreamingCodecDecoder:
         name = type(m).__name__
         if name == "Qwen3TTSTokenizerV2CausalConvNet":
             _support(m.stride == 1, "strided causal convolutions")
-            w = m.conv.weight  # [out, in / groups, taps] -> [out, in * taps], the order of an unfolded input
-            self.weights[m] = w.reshape(w.shape[0], -1).contiguous()
+            w = m.conv.weight  # [out, in / groups, taps]
+            if self._triton_conv(m.conv):  # -> [taps, in, out], the Triton kernel's operand
+                self.weights[m] = w.permute(2, 1, 0).contiguous()
+            else:  # -> [out, in * taps], the order of an unfolded input
+                self.weights[m] = w.reshape(w.shape[0], -1).contiguous()
             if m.kernel_size > 1:  # kernel_size is the dilated extent: the inputs carried over
                 self.shapes[m] = (m.kernel_size - 1, m.conv.in_channels)
         elif name == "Qwen3TTSTokenizerV2CausalTransConvNet":
@@ -173,7 +189,7 @@ class StreamingCodecDecoder:
             x = self._tconv(self._snake(x, block.block[0]), block.block[1], st)
             for unit in block.block[2:]:
                 x = self._residual(x, unit, st)
-        x = self._conv(self._snake(x, d.decoder[-2]), d.decoder[-1], st)
+        x = self._conv(x, d.decoder[-1], st, snake=d.decoder[-2])
         return x.clamp(min=-1, max=1)[..., 0]
 
     def _quantize(self, codes: torch.Tensor) -> torch.Tensor:
@@ -182,7 +198,22 @@ class StreamingCodecDecoder:
         rest = F.linear(e[:, :, self.n_first:].sum(2), self.proj_rest)
         return first + rest
 
-    def _conv(self, x: torch.Tensor, m: nn.Module, st: dict) -> torch.Tensor:
+    def _conv(self, x: torch.Tensor, m: nn.Module, st: dict, snake: nn.Module | None = None,
+              residual: torch.Tensor | None = None) -> torch.Tensor:
+        """The causal convolution m of snake(x) (if `snake`, a SnakeBeta), plus `residual` if given."""
+        c, w = m.conv, self.weights[m]
+        triton = w.dim() == 3  # [taps, in, out]: the Triton kernel's operand
+        if snake is not None and not (triton and c.kernel_size[0] == 1):
+            x, snake = self._snake(x, snake), None
+        if triton:
+            hist = st.get(m)
+            if hist is not None:
+                st[m] = _tail(hist, x)
+            return causal_conv(x, hist, w, c.bias, c.dilation[0], self.snake[snake] if snake else None, residual)
+        y = self._torch_conv(x, m, st)
+        return y if residual is None else y + residual
+
+    def _torch_conv(self, x: torch.Tensor, m: nn.Module, st: dict) -> torch.Tensor:
         if m in st:
             x = torch.cat([st[m], x], 1)
             st[m] = x[:, -(m.kernel_size - 1):].contiguous()  # a copy: a view would keep all of x alive
@@ -219,8 +250,8 @@ class StreamingCodecDecoder:
         return snake(x, alpha, inv_beta)
 
     def _residual(self, x: torch.Tensor, m: nn.Module, st: dict) -> torch.Tensor:
-        h = self._conv(self._snake(x, m.act1), m.conv1, st)
-        return self._conv(self._snake(h, m.act2), m.conv2, st) + x
+        h = self._conv(x, m.conv1, st, snake=m.act1)
+        return self._conv(h, m.conv2, st, snake=m.act2, residual=x)
 
     def _convnext(self, x: torch.Tensor, m: nn.Module, st: dict) -> torch.Tensor:
         h = self._conv(x, m.dwconv, st)
@@ -323,6 +354,12 @@ def _support(ok: bool, what: str) -> None:
     if not ok:
         raise NotImplementedError(f"this codec decoder has {what}, which StreamingCodecDecoder does not implement; "
                                   "it follows the qwen-tts 0.1.1 Qwen3TTSTokenizerV2Decoder")
+
+
+def _tail(hist: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """The last hist.shape[1] frames of [hist; x], without copying all of x."""
+    H, n = hist.shape[1], x.shape[1]
+    return x[:, n - H:].contiguous() if n >= H else torch.cat([hist[:, n:], x], 1)
 
 
 def _rms_norm(x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
