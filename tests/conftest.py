@@ -53,14 +53,15 @@ def record_decode(owner, speech_tokenizer) -> None:
 
 
 def record_codes(tts) -> None:
-    """Make `tts.codes` (a Qwen3TTSInterface) hold the clips of its last whole-clip decode."""
-    decode = tts.decode_codes
+    """Make `tts.codes` (a Qwen3TTSInterface) hold the whole clips of its last generate_* call (every path, decoded
+    after generation or while generating, ends in _finish)."""
+    finish = tts._finish
     tts.codes = []
 
-    def recording(codes):
+    def recording(jobs, codes, wavs):
         tts.codes = [c.clone() for c in codes]
-        return decode(codes)
-    tts.decode_codes = recording
+        return finish(jobs, codes, wavs)
+    tts._finish = recording
 
 
 class Reference:

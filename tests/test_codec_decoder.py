@@ -145,6 +145,34 @@ def test_whole_clips_equal_the_references_chunked_decode(ref):
     assert max_diff(out[0][300 * UP:], one_shot(ref, clips[0])[300 * UP:]) > 1e-2
 
 
+def test_clips_decoded_while_generated_equal_the_references_chunked_decode(ref):
+    """decode_while_generating reads frames as they come (iterators standing in for the engine's streams), in
+    batches of 2 clips that end at different frames, one with a prefix (ICL reference codes): each clip's audio is
+    the reference's chunked_decode of prefix + frames, and the codes are returned whole."""
+    from nano_qwen3tts_vllm.api.clip_pipeline import decode_while_generating
+    lengths = [330, 301, 7, 0, 30]  # the last, with its prefix of 20, ends on a piece boundary (25 frames)
+    clips = [random_codes(n, 60 + i) for i, n in enumerate(lengths)]
+    prefixes = [None, None, None, None, random_codes(20, 70)]
+    read = []
+
+    def frames(i):
+        for t, f in enumerate(clips[i].tolist()):
+            read.append((i, t))
+            yield f
+    dec = StreamingCodecDecoder(ref, max_streams=1)
+    codes, audio = decode_while_generating(dec, [frames(i) for i in range(5)], prefixes, group=2)
+    assert read[:2] == [(0, 0), (0, 1)] and len(read) == sum(lengths)
+    # read (and decoded) a piece at a time, every batch in turn: not clip by clip, nor batch by batch
+    assert read.index((1, 30)) < read.index((0, 300)) and read.index((2, 0)) < read.index((0, 30))
+    for clip, prefix, c, wav in zip(clips, prefixes, codes, audio):
+        whole = clip if prefix is None else torch.cat([prefix, clip])
+        assert torch.equal(c, whole) and wav.shape == (len(whole) * UP,)
+        if len(whole):
+            with torch.inference_mode():
+                expected = ref.chunked_decode(whole.T[None])[0, 0]
+            assert max_diff(wav, expected) < ATOL[ref.dtype]
+
+
 def test_triton_convolutions_equal_the_reference(reference):
     """The fused Triton convolutions (snake before, residual after, carried inputs read in place; on CPU in
     Triton's interpreter) give the one-shot decode, streamed in uneven chunks by two streams at once."""

@@ -72,6 +72,28 @@ def test_voice_clone(ckpt, reference, ours, ref_wav, name, non_streaming_mode, x
     assert_same(ref, mine, ref.generate_voice_clone(TEXTS, **kw)[0], mine.generate_voice_clone(TEXTS, **kw)[0])
 
 
+def test_clips_decoded_while_generating_equal_the_reference(ckpt, reference, ours, ref_wav, monkeypatch):
+    """The CUDA path for whole clips (decoded piece by piece while generated, api/clip_pipeline) forced on here:
+    the same codes as qwen-tts, and its audio within the codec's fp32 tolerance, for a batch and for in-context
+    voice cloning (the reference codes lead the clip, and their audio is cut)."""
+    from nano_qwen3tts_vllm.models.codec_decoder import StreamingCodecDecoder
+    for name, call, kw in [
+            ("tiny-random", "generate_custom_voice",
+             dict(text=TEXTS, speaker=["vivian", "eric"], language="english", max_new_tokens=24)),
+            ("tiny-random-base", "generate_voice_clone",
+             dict(text=TEXTS[0], language="english", ref_audio=ref_wav, ref_text="A short reference transcript.",
+                  max_new_tokens=20))]:
+        d = ckpt(name)
+        ref, mine = reference(d), ours(d)
+        monkeypatch.setattr(mine, "clip_decoder", StreamingCodecDecoder(mine.speech_tokenizer.model.decoder, 1))
+        wo, _ = getattr(mine, call)(**kw, **GREEDY)
+        wr, _ = getattr(ref, call)(**kw, **GREEDY)
+        assert len(ref.codes) == len(mine.codes) == len(wr) == len(wo)
+        for a, b, x, y in zip(ref.codes, mine.codes, wr, wo):
+            assert torch.equal(a, b) and x.shape == y.shape and y.dtype == np.float32
+            np.testing.assert_allclose(y, x, atol=2e-4, rtol=0)
+
+
 def test_voice_clone_prompt_reuse(ckpt, reference, ours, ref_wav):
     """A prompt made once (by either library) serves many requests, with the same result."""
     d = ckpt("tiny-random-base")

@@ -27,6 +27,7 @@ from ..models.codec_decoder import CodecStream, LocalCodecStreams, StreamingCode
 from ..models.prompt import build_prompt
 from ..sampling_params import SamplingParams
 from .audio import ChunkPlanner, load_audio
+from .clip_pipeline import decode_while_generating
 
 logger = logging.getLogger(__name__)
 DECODE_GROUP = 16  # whole clips decoded per codec call
@@ -93,6 +94,7 @@ class Qwen3TTSInterface:
         # whole clips (generate_*): batched incremental decode on CUDA; the reference's decode on CPU
         self.clip_decoder = (StreamingCodecDecoder(speech_tokenizer.model.decoder, 1) if device.type == "cuda"
                              else None)
+        self.clip_stream = torch.cuda.Stream(device) if self.clip_decoder is not None else None
 
     # ---- construction ---------------------------------------------------------------------
     @classmethod
@@ -434,16 +436,22 @@ class Qwen3TTSInterface:
         return streams
 
     def _run(self, jobs: list[TTSRequest]) -> tuple[list[np.ndarray], int]:
+        """On CUDA the clips are decoded while they are generated (clip_pipeline); elsewhere after."""
         streams = self._submit(jobs)
-        frames = []
         try:
-            for s in streams:
-                frames.append(list(s))
+            if self.clip_decoder is None:
+                frames = [list(s) for s in streams]
+            else:
+                codes, wavs = decode_while_generating(self.clip_decoder, [iter(s) for s in streams],
+                                                      [job.ref_codes for job in jobs], self.clip_stream)
         except BaseException:
             for s in streams:
                 s.abort()
             raise
-        return self._decode(jobs, frames)
+        if self.clip_decoder is None:
+            return self._decode(jobs, frames)
+        sr = int(self.speech_tokenizer.get_output_sample_rate())
+        return self._finish(jobs, codes, [w.float().cpu().numpy() for w in wavs]), sr
 
     async def _arun(self, jobs: list[TTSRequest]) -> tuple[list[np.ndarray], int]:
         streams = self._submit(jobs, loop=asyncio.get_running_loop())
@@ -474,13 +482,17 @@ class Qwen3TTSInterface:
             c = torch.tensor(f, dtype=torch.long).reshape(-1, self.model_cfg.num_code_groups)
             codes.append(c if job.ref_codes is None else torch.cat([job.ref_codes, c], dim=0))
         wavs, sr = self.decode_codes(codes)
+        return self._finish(jobs, codes, wavs), sr
+
+    def _finish(self, jobs: list[TTSRequest], codes: list[torch.Tensor], wavs: list[np.ndarray]) -> list[np.ndarray]:
+        """Each job's audio from its whole clip's: ICL clips start with the reference's codes, cut (as qwen-tts)."""
         out = []
         for job, c, wav in zip(jobs, codes, wavs):
             if job.ref_codes is not None:
                 cut = int(job.ref_codes.shape[0] / max(c.shape[0], 1) * wav.shape[0])
                 wav = wav[cut:]
             out.append(wav)
-        return out, sr
+        return out
 
     def _stream(self, job: TTSRequest, chunk_size: int, first_chunk_size: int) -> Iterator[np.ndarray]:
         plan = ChunkPlanner(chunk_size, first_chunk_size)

@@ -162,19 +162,11 @@ class StreamingCodecDecoder:
         return out
 
     def _chunked(self, codes: torch.Tensor, chunk: int, context: int, piece: int) -> torch.Tensor:
-        B, T, _ = codes.shape
-        wavs = []
-        for start in range(0, T, chunk):
-            ctx = context if start - context > 0 else start  # as the reference: no context for the first chunk
-            st = {m: self._zeros(B, m) for m in self.shapes}
-            pos = torch.zeros(B, dtype=torch.long, device=self.device)
-            pieces = []
-            for s in range(start - ctx, min(start + chunk, T), piece):
-                part = codes[:, s:min(s + piece, start + chunk, T)]
-                pieces.append(self._forward(part, pos, st))
-                pos = pos + part.shape[1]
-            wavs.append(torch.cat(pieces, 1)[:, ctx * self.upsample:])
-        return torch.cat(wavs, 1)
+        T = codes.shape[1]
+        clips = ClipBatch(self, codes.shape[0], chunk, context, piece)
+        while (span := clips.next_piece(T)) is not None:
+            clips.feed(codes[:, span[0]:span[1]])
+        return clips.audio()
 
     # ---- the decoder, piece by piece (x is [B, T, C]) ---------------------------------------
     def _forward(self, codes: torch.Tensor, pos: torch.Tensor, st: dict) -> torch.Tensor:
@@ -299,6 +291,54 @@ class StreamingCodecDecoder:
             k, v = k.repeat_interleave(m.num_key_value_groups, 1), v.repeat_interleave(m.num_key_value_groups, 1)
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=m.scaling)
         return F.linear(o.transpose(1, 2).reshape(b, t, -1), m.o_proj.weight, m.o_proj.bias)
+
+
+class ClipBatch:
+    """B whole clips through a decoder as qwen-tts's chunked_decode cuts them (chunks of `chunk` frames, each decoded
+    from a fresh state after the `context` frames before it, whose audio is dropped), `piece` frames per call. The
+    caller feeds each piece when it has its frames: all at once (decode_clips), or while the clips are generated."""
+
+    def __init__(self, dec: StreamingCodecDecoder, B: int, chunk: int = 300, context: int = 25, piece: int = 25):
+        self.dec, self.B, self.chunk, self.context, self.piece = dec, B, chunk, context, piece
+        self.start = self.ctx = self.s = 0  # the current chunk's first frame, its context frames, the next frame
+        self.pieces: list[torch.Tensor] = []
+        self.wavs: list[torch.Tensor] = []
+        self._fresh()
+
+    def _fresh(self) -> None:
+        self.st = {m: self.dec._zeros(self.B, m) for m in self.dec.shapes}
+        self.pos = torch.zeros(self.B, dtype=torch.long, device=self.dec.device)
+
+    def next_piece(self, total: int | None = None) -> tuple[int, int] | None:
+        """Frames [s, e) to feed next; `total`: the clips' length once known (None while they grow); None: done."""
+        if total is not None and self.start < total <= self.s:  # fed to the end before the end was known
+            self._close_chunk()
+        if total is not None and self.start >= total:
+            return None
+        e = min(self.s + self.piece, self.start + self.chunk)
+        return self.s, e if total is None else min(e, total)
+
+    @torch.inference_mode()
+    def feed(self, codes: torch.Tensor) -> None:
+        """Decode the piece next_piece() named, codes [B, e - s, Q]."""
+        self.pieces.append(self.dec._forward(codes, self.pos, self.st))
+        self.pos, self.s = self.pos + codes.shape[1], self.s + codes.shape[1]
+        if self.s == self.start + self.chunk:
+            self._close_chunk()
+
+    def _close_chunk(self) -> None:
+        self.wavs.append(torch.cat(self.pieces, 1)[:, self.ctx * self.dec.upsample:])
+        self.pieces = []
+        self.start += self.chunk
+        self.ctx = self.context if self.start - self.context > 0 else self.start  # as the reference
+        self.s = self.start - self.ctx
+        self._fresh()
+
+    def audio(self) -> torch.Tensor:
+        """[B, frames fed * upsample]: every chunk's audio so far, context dropped."""
+        if not self.wavs:
+            return torch.zeros(self.B, 0, dtype=self.dec.dtype, device=self.dec.device)
+        return torch.cat(self.wavs, 1)
 
 
 class CodecGraphs:
