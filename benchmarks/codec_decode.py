@@ -159,7 +159,8 @@ def streams(ref, args, triton: bool | None) -> None:
                 graph.replay()
                 diff = (out.float() - eager).abs().max().item()  # the replay must do what the eager call does
                 ms = timed(graph.replay, args.device, args.iters, args.warmup)
-                report(args, "graph", b, t, ms, up, frames_decoded_per_stream=t, graph_vs_eager_max_abs=diff, convs=convs)
+                report(args, "graph", b, t, ms, up, frames_decoded_per_stream=t, graph_vs_eager_max_abs=diff,
+                       convs=convs)
                 keep.append((graph, out))  # graphs sharing a pool stay alive until the end
 
 

@@ -719,7 +719,8 @@ def table(report: dict) -> str:
     L.append(f"compare.py  {m['date']}  {m['gpu']}  torch {m['torch']}  commit {m['git_commit']}{dirty}")
     L.append(f"model {m['model']}  {m['frames']} frames = {m['audio_s_per_request']} s audio per request  "
              f"dtype {m['dtype']}  gpu-mem-util {m['gpu_memory_utilization']}")
-    L.append(f"max-num-seqs {m['max_num_seqs']} for the server, in-process at least the offline batch ({m['offline_n']})")
+    L.append(f"max-num-seqs {m['max_num_seqs']} for the server, in-process at least the offline batch "
+             f"({m['offline_n']})")
     L.append("xRT = audio s / wall s (higher = faster); mem GiB = torch peak alloc / nvidia-smi above idle")
     L.append("-" * 100)
     L.append(f"{'batch 1 / single stream':<34}{'ms/frame':>10}{'xRT':>8}{'TTFA ms':>10}{'stream xRT':>12}"

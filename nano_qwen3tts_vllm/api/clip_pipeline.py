@@ -1,9 +1,10 @@
 """Whole clips decoded while they are still being generated (generate_* on CUDA).
 
-Decoding 256 clips after generation used to add ~40% to an offline batch. Here the caller's thread reads the
-frames of every request as the engine thread produces them and feeds each batch of clips to the codec decoder a
-piece at a time, on a CUDA stream of its own, so the decode runs beside the engine's steps. The chunking is
-qwen-tts's (`ClipBatch`), so the audio is what decoding the finished clips would give.
+Decoding after generation adds the whole decode to a batch's wall time, while the engine's steps leave part of
+the GPU idle. Here the caller's thread reads the frames of every request as the engine thread produces them and
+feeds each batch of clips to the codec decoder a piece at a time, on a CUDA stream of its own, so the decode runs
+beside the engine's steps. The chunking is qwen-tts's (`ClipBatch`), so the audio is what decoding the finished
+clips would give.
 """
 from __future__ import annotations
 
@@ -77,7 +78,7 @@ def _decode(dec: StreamingCodecDecoder, frames: list[Iterator[list[int]]], prefi
 
 
 def _wait(queued: deque, keep: int) -> None:
-    """Until at most `keep` recorded events are pending; polls, so the engine thread keeps the GIL meanwhile."""
+    """Until at most `keep` recorded events are pending; sleeps between polls, so the engine thread runs."""
     while len(queued) > keep:
         event = queued.popleft()
         while not event.query():

@@ -1,12 +1,13 @@
 """Causal 1-d convolution on time-major activations [B, T, C] as one Triton implicit-GEMM kernel.
 
-    y[b, t] = bias + sum_j W[j] . pre(z[b, t + j * dil]),  z = [hist; x] (hist: the H = (taps - 1) * dil inputs before x)
+    y[b, t] = bias + sum_j W[j] . pre(z[b, t + j * dil]),  z = [hist; x]
 
-with an optional SnakeBeta `pre` on every input and an optional residual added to y. Against unfold + matmul it
-never writes the inputs `taps` times over, reads the carried history in place instead of concatenating it, and
-adds the residual in its epilogue. `pre` is computed per tap and per output tile, so it pays only for a 1x1
-convolution with one output tile (a sin per element is not free). Float32 inputs multiply in IEEE float32
-(no TF32), so the fp32 parity checks hold; other dtypes accumulate in float32 and round once.
+(hist: the H = (taps - 1) * dil inputs before x), with an optional SnakeBeta `pre` on every input and an optional
+residual added to y. Against unfold + matmul it never writes the inputs `taps` times over, reads the carried
+history in place instead of concatenating it, and adds the residual in its epilogue. `pre` is computed per tap
+and per output tile, so it pays only for a 1x1 convolution with one output tile (a sin per element is not free).
+Float32 inputs multiply in IEEE float32 (no TF32), so the fp32 parity checks hold; half precision accumulates in
+float32 and rounds once.
 """
 from __future__ import annotations
 

@@ -52,7 +52,9 @@ class StreamingCodecDecoder:
         p = next(decoder.parameters())
         self.device, self.dtype = p.device, p.dtype
         self.ref, self.max_streams = decoder, max_streams
-        self.triton = self.device.type == "cuda" if triton is None else triton
+        if triton is None:  # the kernel multiplies in half precision or IEEE float32
+            triton = self.device.type == "cuda" and self.dtype in (torch.float32, torch.bfloat16, torch.float16)
+        self.triton = triton
         self.scratch_slot = max_streams  # one more slot: where padded rows of a CUDA-graph batch decode
         self.upsample = int(decoder.total_upsample)   # audio samples per frame
         self.num_quantizers = decoder.config.num_quantizers
