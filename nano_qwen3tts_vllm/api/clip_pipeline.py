@@ -15,6 +15,7 @@ from typing import Iterator
 
 import torch
 
+from ..engine.cuda_graphs import to_device
 from ..models.codec_decoder import ClipBatch, StreamingCodecDecoder
 
 GROUP = 64      # clips per decoder batch
@@ -67,13 +68,12 @@ def _decode(dec: StreamingCodecDecoder, frames: list[Iterator[list[int]]], prefi
                 part = clips[i][s:e]
                 if part:
                     codes[row, :len(part)] = torch.tensor(part)
-            if stream is None:
-                batch.feed(codes.to(dec.device))
-                continue
-            _wait(queued, IN_FLIGHT - 1)
-            batch.feed(codes.pin_memory().to(dec.device, non_blocking=True))
-            queued.append(torch.cuda.Event())
-            queued[-1].record()
+            if stream is not None:
+                _wait(queued, IN_FLIGHT - 1)
+            batch.feed(to_device(codes, dec.device))
+            if stream is not None:
+                queued.append(torch.cuda.Event())
+                queued[-1].record()
     return clips, audio
 
 

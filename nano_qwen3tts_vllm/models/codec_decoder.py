@@ -203,7 +203,8 @@ class StreamingCodecDecoder:
             hist = st.get(m)
             if hist is not None:
                 st[m] = _tail(hist, x)
-            return causal_conv(x, hist, w, c.bias, c.dilation[0], self.snake[snake] if snake else None, residual)
+            return causal_conv(x, hist, w, c.bias, c.dilation[0], None if snake is None else self.snake[snake],
+                               residual)
         y = self._torch_conv(x, m, st)
         return y if residual is None else y + residual
 
