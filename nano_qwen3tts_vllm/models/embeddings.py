@@ -6,6 +6,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
+from ..layers.triton_linear import Linear
 
 
 class TextProjection(nn.Module):
@@ -14,8 +15,8 @@ class TextProjection(nn.Module):
     def __init__(self, text_vocab: int, text_hidden: int, hidden: int):
         super().__init__()
         self.text_embedding = nn.Embedding(text_vocab, text_hidden)
-        self.linear_fc1 = nn.Linear(text_hidden, text_hidden, bias=True)
-        self.linear_fc2 = nn.Linear(text_hidden, hidden, bias=True)
+        self.linear_fc1 = Linear(text_hidden, text_hidden, bias=True)
+        self.linear_fc2 = Linear(text_hidden, hidden, bias=True)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return self.linear_fc2(F.silu(self.linear_fc1(self.text_embedding(ids))))

@@ -5,6 +5,7 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..layers.attention import DenseAttention
+from ..layers.triton_linear import Linear, linear
 from .embeddings import CodecEmbedding
 from .qwen3 import Qwen3Decoder
 
@@ -18,7 +19,7 @@ class CodePredictor(nn.Module):
         g = cfg.num_code_groups
         self.codec = CodecEmbedding(cfg)
         if cfg.predictor.hidden_size != cfg.talker.hidden_size:
-            self.small_to_mtp_projection = nn.Linear(cfg.talker.hidden_size, cfg.predictor.hidden_size, bias=True)
+            self.small_to_mtp_projection = Linear(cfg.talker.hidden_size, cfg.predictor.hidden_size, bias=True)
         else:
             self.small_to_mtp_projection = nn.Identity()
         self.model = Qwen3Decoder(cfg.predictor, DenseAttention, g + 1)
@@ -28,4 +29,4 @@ class CodePredictor(nn.Module):
         return self.model(self.small_to_mtp_projection(embeds), positions, meta)
 
     def logits(self, hidden: torch.Tensor, step: int) -> torch.Tensor:
-        return torch.nn.functional.linear(hidden, self.lm_heads[step])
+        return linear(hidden, self.lm_heads[step])

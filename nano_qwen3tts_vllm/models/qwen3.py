@@ -6,12 +6,14 @@ checkpoint's separate q/k/v and gate/up weights into them.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ..config import DecoderConfig
 from ..layers.fused import add_rms_norm, silu_and_mul
 from ..layers.layernorm import RMSNorm
 from ..layers.rotary import RotaryEmbedding
+from ..layers.triton_linear import Linear, norm_gemv, uses_gemv
 
 
 class Qwen3Attention(nn.Module):
@@ -20,16 +22,16 @@ class Qwen3Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=False)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=False)
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=False)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.attn = attn
         object.__setattr__(self, "rotary", rotary)  # shared table, not a submodule of every layer
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta) -> torch.Tensor:
-        lead = x.shape[:-1]
-        qkv = self.qkv_proj(x)
+    def forward(self, positions: torch.Tensor, qkv: torch.Tensor, meta) -> torch.Tensor:
+        """qkv: qkv_proj's output (the layer computes it, fused with its norm) -> o_proj's output."""
+        lead = qkv.shape[:-1]
         if self.attn.fuses(meta):  # one Triton kernel from here to o_proj (CUDA decode)
             o = self.attn.fused_decode(qkv, positions, self.q_norm, self.k_norm, self.rotary, meta)
             return self.o_proj(o.view(*lead, self.q_size))
@@ -43,13 +45,26 @@ class Qwen3Attention(nn.Module):
 
 
 class Qwen3MLP(nn.Module):
+    """SwiGLU weights; Qwen3DecoderLayer applies them (the gate/up projection fused with its norm)."""
+
     def __init__(self, hidden_size: int, intermediate_size: int):
         super().__init__()
-        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias=False)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm, weight: torch.Tensor,
+                silu_mul: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(residual + x, or x) -> (its RMSNorm through a bias-free projection, SiLU(gate) * up with silu_mul; the
+    new residual). A one-row CUDA decode does it all in one kernel."""
+    if uses_gemv(x, weight):
+        return norm_gemv(x, residual, norm.weight, norm.eps, weight, silu_mul)
+    if residual is None:
+        residual, x = x, norm(x)
+    else:
+        residual, x = add_rms_norm(x, residual, norm.weight, norm.eps)
+    y = F.linear(x, weight)
+    return (silu_and_mul(y) if silu_mul else y), residual
 
 
 class Qwen3DecoderLayer(nn.Module):
@@ -64,15 +79,11 @@ class Qwen3DecoderLayer(nn.Module):
                 meta) -> tuple[torch.Tensor, torch.Tensor]:
         """(h, residual) -> (this layer's MLP output, the residual stream before it): the sum is
         deferred to the next layer's fused add + RMSNorm, one kernel fewer per layer."""
-        norm = self.input_layernorm
-        if residual is None:
-            residual, x = h, norm(h)
-        else:
-            residual, x = add_rms_norm(h, residual, norm.weight, norm.eps)
-        attn = self.self_attn(positions, x, meta)
-        norm = self.post_attention_layernorm
-        residual, x = add_rms_norm(attn, residual, norm.weight, norm.eps)
-        return self.mlp(x), residual
+        qkv, residual = norm_linear(h, residual, self.input_layernorm, self.self_attn.qkv_proj.weight)
+        attn = self.self_attn(positions, qkv, meta)
+        act, residual = norm_linear(attn, residual, self.post_attention_layernorm, self.mlp.gate_up_proj.weight,
+                                    silu_mul=True)
+        return self.mlp.down_proj(act), residual
 
 
 class Qwen3Decoder(nn.Module):

@@ -5,6 +5,7 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..layers.attention import PagedAttention
+from ..layers.triton_linear import Linear
 from .embeddings import CodecEmbedding, TextProjection
 from .qwen3 import Qwen3Decoder
 
@@ -18,7 +19,7 @@ class Talker(nn.Module):
         self.text = TextProjection(cfg.text_vocab_size, cfg.text_hidden_size, cfg.talker.hidden_size)
         self.codec = CodecEmbedding(cfg)
         self.model = Qwen3Decoder(cfg.talker, PagedAttention, max_position)
-        self.codec_head = nn.Linear(cfg.talker.hidden_size, cfg.codec_vocab_size, bias=False)
+        self.codec_head = Linear(cfg.talker.hidden_size, cfg.codec_vocab_size, bias=False)
 
     def embed(self, text_ids: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
         """One input position per row: P(text_id) (if >= 0) + the sum of its codec embeddings."""

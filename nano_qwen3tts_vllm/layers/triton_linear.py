@@ -1,0 +1,123 @@
+"""Linear layers for a few rows (decode at small batch) as one Triton GEMV kernel.
+
+At one row cuBLAS picks GEMM tiles of 64 output features: the predictor's 1024..6144-feature projections then
+run on 16..96 of the H100's 132 SMs, each streaming 128 KB or more of weights. Here every program owns a thin
+slice of 4 or 8 output features and reads its weights in one to three wide loads (hundreds of programs, all of
+them streaming at once). The gate/up projection can also apply SiLU(gate) * up in its epilogue (one kernel
+fewer per layer). Only one row: at two rows and more the [rows, features, K] products cost more than cuBLAS.
+
+Products are summed in float32 and the output rounded once, as a GEMM with float32 accumulation does (the
+summation order differs). CPU tensors, larger batches and other dtypes take torch's matmul.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+import triton
+import triton.language as tl
+
+MAX_ROWS = 1
+
+
+@triton.jit
+def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, r_ptr, nw_ptr, r_out_ptr, M, N, K, stride_x, stride_y, up_offset, eps,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr,
+                 SILU_MUL: tl.constexpr, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm = tl.arange(0, BLOCK_M)
+    rk = tl.arange(0, BLOCK_K)
+    n_ok, m_ok = rn < N, rm < M
+    out_ty = y_ptr.dtype.element_ty
+    w_rows = w_ptr + rn.to(tl.int64)[:, None] * K
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):  # one iteration with NORM (BLOCK_K >= K): the norm needs the whole row
+        kk = k0 + rk
+        k_ok = kk < K
+        x_off = rm[:, None] * stride_x + kk[None, :]
+        x_ok = m_ok[:, None] & k_ok[None, :]
+        x = tl.load(x_ptr + x_off, mask=x_ok, other=0.0).to(tl.float32)
+        if NORM:  # add_rms_norm / rms_norm of layers/fused.py, rounded as there
+            if HAS_RESIDUAL:
+                x = (x + tl.load(r_ptr + x_off, mask=x_ok, other=0.0).to(tl.float32)).to(out_ty).to(tl.float32)
+                if tl.program_id(0) == 0:
+                    tl.store(r_out_ptr + x_off, x.to(out_ty), mask=x_ok)
+            rs = tl.rsqrt(tl.sum(x * x, axis=1) / K + eps)
+            nw = tl.load(nw_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)
+            x = (nw[None, :] * (x * rs[:, None]).to(out_ty).to(tl.float32)).to(out_ty).to(tl.float32)
+        w = tl.load(w_rows + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+        acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
+        if SILU_MUL:
+            u = tl.load(w_rows + up_offset * K + kk[None, :], mask=n_ok[:, None] & k_ok[None, :],
+                        other=0.0).to(tl.float32)
+            acc_up += tl.sum(x[:, None, :] * u[None, :, :], axis=2)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    if SILU_MUL:  # gate and up rounded as the GEMM's output would be, then SiLU(gate) * up rounded once
+        gate = acc.to(out_ty).to(tl.float32)
+        up = acc_up.to(out_ty).to(tl.float32)
+        acc = gate / (1.0 + tl.exp(-gate)) * up
+    tl.store(y_ptr + rm[:, None] * stride_y + rn[None, :], acc.to(out_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+def _config(n: int, k: int) -> tuple[int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps), from a sweep on an H100 over the talker's and predictor's shapes with
+    the weights streamed from HBM (1 row; within ~5% of the best configuration of each shape)."""
+    return (8 if n >= 6144 else 4), (triton.next_power_of_2(k) if k <= 4096 else 2048), 4
+
+
+def uses_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    return (x.is_cuda and 0 < rows <= MAX_ROWS and x.dtype == weight.dtype
+            and x.dtype in (torch.float32, torch.bfloat16, torch.float16) and weight.is_contiguous())
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, silu_mul: bool = False,
+         config: tuple[int, int, int] | None = None) -> torch.Tensor:
+    """x [..., K] (at most MAX_ROWS rows), weight [N, K] -> x @ weight.T + bias [..., N]; with silu_mul the
+    weight is [gate; up] (2I rows) and the result SiLU(x @ gate.T) * (x @ up.T) [..., I]."""
+    return _launch(x, weight, bias, silu_mul, config)[0]
+
+
+def norm_gemv(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+              weight: torch.Tensor, silu_mul: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(residual + x) or x, RMS-normalised and projected in one kernel: returns (the projection as `gemv`,
+    the sum), the pair `add_rms_norm` + projection would give."""
+    return _launch(x, weight, None, silu_mul, None, (residual, norm_weight, eps))
+
+
+def _launch(x, weight, bias, silu_mul, config, norm=None) -> tuple[torch.Tensor, torch.Tensor]:
+    lead, K = x.shape[:-1], x.shape[-1]
+    x2 = x.reshape(-1, K).contiguous()
+    M = x2.shape[0]
+    N = weight.shape[0] // 2 if silu_mul else weight.shape[0]
+    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    block_n, block_k, warps = config or _config(N, K)
+    residual, norm_weight, eps = norm or (None, weight, 0.0)
+    r_out = x
+    if residual is not None:
+        residual = residual.reshape(M, K).contiguous()
+        r_out = torch.empty_like(x2)
+    if norm is not None:
+        block_k = triton.next_power_of_2(K)
+    _gemv_kernel[(triton.cdiv(N, block_n),)](
+        x2, weight, bias if bias is not None else weight, y, residual if residual is not None else x2, norm_weight,
+        r_out, M, N, K, x2.stride(0), y.stride(0), N, eps,
+        BLOCK_M=triton.next_power_of_2(M), BLOCK_N=block_n, BLOCK_K=block_k, HAS_BIAS=bias is not None,
+        SILU_MUL=silu_mul, NORM=norm is not None, HAS_RESIDUAL=residual is not None, num_warps=warps)
+    return y.view(*lead, N), r_out.view(x.shape)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear, through the GEMV kernel for one row on CUDA."""
+    if uses_gemv(x, weight):
+        return gemv(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
+class Linear(nn.Linear):
+    """nn.Linear (same parameters and state dict) whose one-row CUDA calls take the GEMV kernel."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
