@@ -40,12 +40,12 @@ def setup(device, dtype, positions, dims=SMALL, seed=0):
     return {k: v.to(device, dtype) if v.is_floating_point() else v.to(device) for k, v in t.items()}
 
 
-def fused(t):
+def fused(t, splits=1):
     from nano_qwen3tts_vllm.layers.triton_attention import fused_decode
     D, HKV = t["k_cache"].shape[-1], t["k_cache"].shape[-2]
     HQ = t["qkv"].shape[1] // D - 2 * HKV
     return fused_decode(t["qkv"], t["qw"], t["kw"], 1e-6, t["cos"], t["sin"], t["pos"], t["k_cache"], t["v_cache"],
-                        t["tables"], HQ, D ** -0.5)
+                        t["tables"], HQ, D ** -0.5, splits=splits)
 
 
 def devices():
@@ -55,9 +55,9 @@ def devices():
     return [("cpu", torch.float32)]
 
 
-def check_against_unfused(device, dtype, positions, dims):
+def check_against_unfused(device, dtype, positions, dims, splits=1):
     a, b = setup(device, dtype, positions, dims), setup(device, dtype, positions, dims)
-    out = fused(a)
+    out = fused(a, splits)
     ref = unfused(b["qkv"], b["qw"], b["kw"], b["cos"], b["sin"], b["pos"], b["k_cache"], b["v_cache"], b["tables"])
     if dtype == torch.float32:
         torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
@@ -71,27 +71,31 @@ def check_against_unfused(device, dtype, positions, dims):
 
 
 @pytest.mark.parametrize("device,dtype", devices())
-def test_fused_decode_matches_unfused_ops(device, dtype):
-    check_against_unfused(device, dtype, [0, 5, 8, 37], SMALL)  # first, inside a block, a boundary, several
+@pytest.mark.parametrize("splits", [1, 4])  # 4: at 37 positions, splits of 16, 16, 5 and an empty one
+def test_fused_decode_matches_unfused_ops(device, dtype, splits):
+    check_against_unfused(device, dtype, [0, 5, 8, 37], SMALL, splits)  # first, inside a block, a boundary, several
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="real model sizes: compiled kernel on a CUDA GPU")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("block_size", [16, 17, 256])  # 17: the predictor's dense cache, one block per row
-def test_fused_decode_real_sizes(dtype, block_size):
-    check_against_unfused("cuda", dtype, [0, 1, 15, 16, block_size, 3 * block_size - 2, 200, 700], (16, 8, 128, block_size))
+@pytest.mark.parametrize("splits", [1, 16])
+def test_fused_decode_real_sizes(dtype, block_size, splits):
+    check_against_unfused("cuda", dtype, [0, 1, 15, 16, block_size, 3 * block_size - 2, 200, 700],
+                          (16, 8, 128, block_size), splits)
 
 
 @pytest.mark.parametrize("device,dtype", devices())
-def test_fused_decode_is_batch_invariant_and_takes_one_shared_position(device, dtype):
+@pytest.mark.parametrize("splits", [1, 4])
+def test_fused_decode_is_batch_invariant_and_takes_one_shared_position(device, dtype, splits):
     t = setup(device, dtype, [9, 9, 9])
-    batch = fused(t)
+    batch = fused(t, splits)
     one = setup(device, dtype, [9, 9, 9])
     shared = dict(one, pos=torch.tensor([9], device=device).expand(3))  # stride 0, as the predictor passes it
-    assert torch.equal(fused(shared), batch)
+    assert torch.equal(fused(shared, splits), batch)
     alone = setup(device, dtype, [9, 9, 9])
     alone = {k: (v[1:2] if k in ("qkv", "pos", "tables") else v) for k, v in alone.items()}
-    assert torch.equal(fused(alone)[0], batch[1])
+    assert torch.equal(fused(alone, splits)[0], batch[1])
 
 
 def force_fused(engine) -> int:
