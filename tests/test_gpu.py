@@ -74,21 +74,36 @@ def test_fp32_parity_with_cuda_graphs(ckpt, gpu_models, ref_wav, name, no_tf32):
             np.testing.assert_allclose(y, x, atol=2e-4)  # the codec tests' fp32 tolerance
 
 
-def test_bf16_codes_valid_and_seeded_batching(gpu_models):
+def test_bf16_codes_valid_and_seeded_requests_repeat(gpu_models):
     mine = gpu_models("tiny-random", torch.bfloat16)
-    wavs, sr = mine.generate_custom_voice(TEXTS, speaker="vivian", language="english", max_new_tokens=40, seed=3)
+    kw = dict(speaker="vivian", language="english", max_new_tokens=40, seed=3)
+    wavs, sr = mine.generate_custom_voice(TEXTS, **kw)
     for codes, wav in zip(mine.codes, wavs):
         assert codes.shape[1] == 16 and codes.shape[0] >= 1
         assert int(codes[:, 0].max()) < 2048 and int(codes.min()) >= 0 and int(codes[:, 1:].max()) < 2048
         assert wav.dtype == np.float32 and np.isfinite(wav).all() and wav.shape == (codes.shape[0] * 1920,)
     batched = mine.codes
-    alone = []
-    for t in TEXTS:
-        alone.append(mine.generate_custom_voice(t, speaker="vivian", language="english", max_new_tokens=40, seed=3)[0][0])
-        assert torch.equal(mine.codes[0], batched[len(alone) - 1])  # generation is batch-invariant here
-    # the audio of equal codes: whole clips are decoded batched, so bf16 rounding may differ with the batch
-    for a, b in zip(alone, wavs):
-        np.testing.assert_allclose(a, b, atol=3e-2)
+    mine.generate_custom_voice(TEXTS, **kw)
+    assert all(torch.equal(a, b) for a, b in zip(mine.codes, batched))
+    # alone, a request's bf16 steps take the one-row GEMV kernel rather than cuBLAS (layers/triton_linear): its
+    # logits round differently than in the batch, so only a repeat of the same request is compared
+    for t in TEXTS[:2]:
+        wav = mine.generate_custom_voice(t, **kw)[0][0]
+        codes = mine.codes[0]
+        np.testing.assert_array_equal(mine.generate_custom_voice(t, **kw)[0][0], wav)
+        assert torch.equal(mine.codes[0], codes)
+
+
+def test_fp32_seeded_sampling_is_batch_invariant(gpu_models):
+    """The sampler's noise is counter-based: a seeded request draws the same numbers alone or in a batch, so in
+    fp32 (where the kernels' other summation orders stay far below the sampler's margins) it gives the same codes."""
+    mine = gpu_models("tiny-random")
+    kw = dict(speaker="vivian", language="english", max_new_tokens=40, seed=3)
+    mine.generate_custom_voice(TEXTS, **kw)
+    batched = mine.codes
+    for t, codes in zip(TEXTS, batched):
+        mine.generate_custom_voice(t, **kw)
+        assert torch.equal(mine.codes[0], codes)
 
 
 def test_graph_and_eager_agree_fp32(ckpt):

@@ -3,11 +3,12 @@
 At one row cuBLAS picks GEMM tiles of 64 output features: the predictor's 1024..6144-feature projections then
 run on 16..96 of the H100's 132 SMs, each streaming 128 KB or more of weights. Here every program owns a thin
 slice of 4 or 8 output features and reads its weights in one to three wide loads (hundreds of programs, all of
-them streaming at once). The gate/up projection can also apply SiLU(gate) * up in its epilogue (one kernel
-fewer per layer). Only one row: at two rows and more the [rows, features, K] products cost more than cuBLAS.
+them streaming at once), then reduces each row against them in turn. The qkv and gate/up projections can also
+take the add + RMSNorm before them in their prologue, and gate/up SiLU(gate) * up in its epilogue.
 
 Products are summed in float32 and the output rounded once, as a GEMM with float32 accumulation does (the
-summation order differs). CPU tensors, larger batches and other dtypes take torch's matmul.
+summation order differs), so a row's result is the same in a batch of one or two but can differ by a rounding
+from the same row in a larger batch. CPU tensors, larger batches and other dtypes take torch's matmul.
 """
 from __future__ import annotations
 
@@ -17,17 +18,36 @@ from torch import nn
 import triton
 import triton.language as tl
 
-MAX_ROWS = 1
+MAX_ROWS = 2  # a lone stream's steps (the predictor's first step has two rows); from 4 rows on cuBLAS is faster
+
+
+@triton.jit
+def _row_input(x_ptr, r_ptr, nw_ptr, r_out_ptr, m, kk, k_ok, K, stride_x, eps, out_ty: tl.constexpr,
+               NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+    """Row m of the input over columns kk, in float32; with NORM the add_rms_norm / rms_norm of layers/fused.py
+    (rounded as there; kk must then cover the whole row), the sum written out by program 0."""
+    x = tl.load(x_ptr + m * stride_x + kk, mask=k_ok, other=0.0).to(tl.float32)
+    if NORM:
+        if HAS_RESIDUAL:
+            x = (x + tl.load(r_ptr + m * stride_x + kk, mask=k_ok, other=0.0).to(tl.float32)).to(out_ty)
+            if tl.program_id(0) == 0:
+                tl.store(r_out_ptr + m * stride_x + kk, x, mask=k_ok)
+            x = x.to(tl.float32)
+        rs = tl.rsqrt(tl.sum(x * x, axis=0) / K + eps)
+        nw = tl.load(nw_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)
+        x = (nw * (x * rs).to(out_ty).to(tl.float32)).to(out_ty).to(tl.float32)
+    return x
 
 
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, r_ptr, nw_ptr, r_out_ptr, M, N, K, stride_x, stride_y, up_offset, eps,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr,
                  SILU_MUL: tl.constexpr, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+    """Each row is reduced with the same ops whatever M is: a row's result does not depend on its batch."""
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = tl.arange(0, BLOCK_M)
     rk = tl.arange(0, BLOCK_K)
-    n_ok, m_ok = rn < N, rm < M
+    n_ok = rn < N
     out_ty = y_ptr.dtype.element_ty
     w_rows = w_ptr + rn.to(tl.int64)[:, None] * K
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
@@ -35,30 +55,23 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, r_ptr, nw_ptr, r_out_ptr, M, N, K, 
     for k0 in range(0, K, BLOCK_K):  # one iteration with NORM (BLOCK_K >= K): the norm needs the whole row
         kk = k0 + rk
         k_ok = kk < K
-        x_off = rm[:, None] * stride_x + kk[None, :]
-        x_ok = m_ok[:, None] & k_ok[None, :]
-        x = tl.load(x_ptr + x_off, mask=x_ok, other=0.0).to(tl.float32)
-        if NORM:  # add_rms_norm / rms_norm of layers/fused.py, rounded as there
-            if HAS_RESIDUAL:
-                x = (x + tl.load(r_ptr + x_off, mask=x_ok, other=0.0).to(tl.float32)).to(out_ty).to(tl.float32)
-                if tl.program_id(0) == 0:
-                    tl.store(r_out_ptr + x_off, x.to(out_ty), mask=x_ok)
-            rs = tl.rsqrt(tl.sum(x * x, axis=1) / K + eps)
-            nw = tl.load(nw_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)
-            x = (nw[None, :] * (x * rs[:, None]).to(out_ty).to(tl.float32)).to(out_ty).to(tl.float32)
         w = tl.load(w_rows + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-        acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
         if SILU_MUL:
             u = tl.load(w_rows + up_offset * K + kk[None, :], mask=n_ok[:, None] & k_ok[None, :],
                         other=0.0).to(tl.float32)
-            acc_up += tl.sum(x[:, None, :] * u[None, :, :], axis=2)
+        for m in tl.static_range(BLOCK_M):  # the weights stay in registers for every row
+            x = _row_input(x_ptr, r_ptr, nw_ptr, r_out_ptr, m, kk, k_ok & (m < M), K, stride_x, eps, out_ty,
+                           NORM, HAS_RESIDUAL)
+            acc = tl.where(rm[:, None] == m, acc + tl.sum(w * x[None, :], axis=1)[None, :], acc)
+            if SILU_MUL:
+                acc_up = tl.where(rm[:, None] == m, acc_up + tl.sum(u * x[None, :], axis=1)[None, :], acc_up)
     if HAS_BIAS:
         acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     if SILU_MUL:  # gate and up rounded as the GEMM's output would be, then SiLU(gate) * up rounded once
         gate = acc.to(out_ty).to(tl.float32)
         up = acc_up.to(out_ty).to(tl.float32)
         acc = gate / (1.0 + tl.exp(-gate)) * up
-    tl.store(y_ptr + rm[:, None] * stride_y + rn[None, :], acc.to(out_ty), mask=m_ok[:, None] & n_ok[None, :])
+    tl.store(y_ptr + rm[:, None] * stride_y + rn[None, :], acc.to(out_ty), mask=(rm < M)[:, None] & n_ok[None, :])
 
 
 def _config(n: int, k: int) -> tuple[int, int, int]:
