@@ -81,6 +81,7 @@ def _config(n: int, k: int) -> tuple[int, int, int]:
 
 
 def uses_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether x @ weight.T takes the kernel: CUDA, at most MAX_ROWS rows, one float dtype, contiguous weight."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     return (x.is_cuda and 0 < rows <= MAX_ROWS and x.dtype == weight.dtype
             and x.dtype in (torch.float32, torch.bfloat16, torch.float16) and weight.is_contiguous())
@@ -123,14 +124,14 @@ def _launch(x, weight, bias, silu_mul, config, norm=None) -> tuple[torch.Tensor,
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, through the GEMV kernel for one row on CUDA."""
+    """F.linear, through the GEMV kernel where `uses_gemv` says so."""
     if uses_gemv(x, weight):
         return gemv(x, weight, bias)
     return F.linear(x, weight, bias)
 
 
 class Linear(nn.Linear):
-    """nn.Linear (same parameters and state dict) whose one-row CUDA calls take the GEMV kernel."""
+    """nn.Linear (same parameters and state dict) whose small-batch CUDA calls take the GEMV kernel."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias)

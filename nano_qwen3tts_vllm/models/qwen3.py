@@ -56,7 +56,7 @@ class Qwen3MLP(nn.Module):
 def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm, weight: torch.Tensor,
                 silu_mul: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(residual + x, or x) -> (its RMSNorm through a bias-free projection, SiLU(gate) * up with silu_mul; the
-    new residual). A one-row CUDA decode does it all in one kernel."""
+    new residual). A CUDA step of one or two rows does it all in one kernel (layers/triton_linear)."""
     if uses_gemv(x, weight):
         return norm_gemv(x, residual, norm.weight, norm.eps, weight, silu_mul)
     if residual is None:
