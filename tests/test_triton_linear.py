@@ -1,4 +1,4 @@
-"""The one-row GEMV kernel (layers/triton_linear.py) against torch: plain, with bias, with SiLU(gate) * up, and
+"""The small-batch GEMV kernel (layers/triton_linear.py) against torch: plain, with bias, with SiLU(gate) * up, and
 with the add + RMSNorm prologue. On CPU it runs in the Triton interpreter (conftest sets TRITON_INTERPRET)."""
 import pytest
 import torch
