@@ -149,8 +149,8 @@ def test_teacher_forced_logits(ckpt, reference, ours):
     predictor = engine.executor.predictor.model
     original = predictor.logits
 
-    def recording_logits(h, step):
-        out = original(h, step)
+    def recording_logits(h, residual, step):
+        out = original(h, residual, step)
         got_ours.append(out[0].detach().float().clone())
         return out
     predictor.logits = recording_logits

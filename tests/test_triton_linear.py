@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from nano_qwen3tts_vllm.layers.fused import add_rms_norm, rms_norm, silu_and_mul
-from nano_qwen3tts_vllm.layers.triton_linear import gemv, norm_gemv
+from nano_qwen3tts_vllm.layers.triton_linear import embedding_gemv, gemv, norm_gemv
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -51,6 +51,17 @@ def test_norm_gemv_equals_add_rms_norm_then_linear(dtype, atol, silu_mul, rows):
     torch.testing.assert_close(y, act(F.linear(rms_norm(x, norm_w, 1e-6), w)), atol=atol, rtol=atol)
 
 
+@pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-5), (torch.bfloat16, 5e-2)])
+@pytest.mark.parametrize("rows", [1, 2])
+def test_embedding_gemv_gathers_its_rows(dtype, atol, rows):
+    """The predictor's codebook step: table rows ids + offset, projected with bias, in one kernel."""
+    table, w, b = _data(64, 96, dtype, rows=30)
+    ids = torch.tensor([7, 2][:rows], device=DEVICE)
+    expected = F.linear(F.embedding(ids + 11, table), w, b)
+    torch.testing.assert_close(embedding_gemv(ids, 11, table, w, b), expected, atol=atol, rtol=atol)
+    assert torch.equal(embedding_gemv(ids, 11, table, w, b), gemv(table[ids + 11], w, b))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_rows_result_does_not_depend_on_its_batch(dtype):
     x, w, b = _data(40, 300, dtype, rows=5)
@@ -81,8 +92,9 @@ def test_engine_frames_unchanged_with_the_gemv_kernel(ckpt, ours, monkeypatch):
     expected = run(new_engine(model_dir), requests, schedule)
     calls = []
 
-    def on_cpu_too(x, weight):
-        ok = x.numel() // x.shape[-1] <= triton_linear.MAX_ROWS and x.dtype == weight.dtype
+    def on_cpu_too(x, weight, rows=None):
+        rows = x.numel() // x.shape[-1] if rows is None else rows
+        ok = rows <= triton_linear.MAX_ROWS and x.dtype == weight.dtype
         calls.append(ok)
         return ok
     for module in (triton_linear, qwen3):

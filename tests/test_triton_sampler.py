@@ -33,12 +33,13 @@ def _st(rows, device="cpu") -> SamplingTensors:
                            torch.tensor(seeds, dtype=torch.long, device=device))
 
 
-def kernel(logits, st: SamplingTensors, counters, device) -> torch.Tensor:
+def kernel(logits, st: SamplingTensors, counters, device, counter_offset: int = 0) -> torch.Tensor:
     """The kernel on `device`, result on the CPU."""
     st = SamplingTensors(*(t.to(device) for t in (st.do_sample, st.temperature, st.top_k, st.top_p, st.seeds)))
     if isinstance(counters, torch.Tensor):
         counters = counters.to(device)
-    return triton_sample(logits.to(device), st.do_sample, st.temperature, st.top_k, st.top_p, st.seeds, counters).cpu()
+    return triton_sample(logits.to(device), st.do_sample, st.temperature, st.top_k, st.top_p, st.seeds, counters,
+                         counter_offset).cpu()
 
 
 def torch_sampler(logits, st: SamplingTensors, counters) -> torch.Tensor:
@@ -220,6 +221,9 @@ def test_counters_per_row_shared_or_strided(device):
     column = table.to(device)[:, 2]
     assert column.stride(0) == 6
     assert kernel(strided, st, column, device).tolist() == torch_sampler(logits, st, table[:, 2].clone()).tolist()
+    # the predictor passes frame * 16 once and each codebook's k as counter_offset
+    assert kernel(strided, st, column, device, 3).tolist() == torch_sampler(logits, st, table[:, 2] + 3).tolist()
+    assert kernel(strided, st, 70, device, 7).tolist() == expected.tolist()
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -51,21 +51,20 @@ class PredictorRunner:
     def frame_step(self, hidden: torch.Tensor, c0: torch.Tensor, st: SamplingTensors,
                    frame_idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """hidden [B, H] (talker, after final norm), c0 [B] -> codes [B, 16], frame embedding sum [B, H]."""
-        codec, B = self.model.codec, hidden.shape[0]
-        embeds = [codec.lookup(0, c0)]
+        model, B = self.model, hidden.shape[0]
+        x = torch.stack([hidden, model.codec.lookup(0, c0)], dim=1)
+        h, r = model(x, self.positions[:2].expand(B, 2), DenseMetadata(0, 2))
+        h, r = h[:, -1], r[:, -1]
+        counters = frame_idx * 16  # codebook k draws noise counter frame * 16 + k
         codes = [c0]
-        x = torch.stack([hidden, embeds[0]], dim=1)
-        pos = self.positions[:2].expand(B, 2)
-        h = self.model(x, pos, DenseMetadata(0, 2))[:, -1]
         for k in range(1, self.model_cfg.num_code_groups):
-            logits = self.model.logits(h, k - 1).float()
-            ck = sample(logits, st, frame_idx * 16 + k)
+            ck = sample(model.logits(h, r, k - 1), st, counters, k)
             codes.append(ck)
-            embeds.append(codec.lookup(k, ck))
             if k + 1 < self.model_cfg.num_code_groups:
-                pos = self.positions[k + 1:k + 2].expand(B, 1)
-                h = self.model(embeds[-1][:, None], pos, DenseMetadata(k + 1, k + 2))[:, -1]
-        return torch.stack(codes, dim=1), torch.stack(embeds, dim=1).sum(1)
+                h, r = model.forward_codes(k, ck, self.positions[k + 1:k + 2].expand(B, 1), DenseMetadata(k + 1, k + 2))
+                h, r = h[:, 0], r[:, 0]
+        codes = torch.stack(codes, dim=1)
+        return codes, model.codec.frame_sum(codes)
 
     @torch.inference_mode()
     def run(self, batch: DecodeBatch, hidden: torch.Tensor, c0: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

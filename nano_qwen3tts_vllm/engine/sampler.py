@@ -129,17 +129,20 @@ def _warp(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, 
     return logits.masked_fill(remove, float("-inf"))
 
 
-def sample(logits: torch.Tensor, st: SamplingTensors, counters: torch.Tensor) -> torch.Tensor:
-    """logits [B, V] fp32 after penalties -> token ids [B] (int64). counters [B] (or one for all rows).
-    CUDA tensors take the one-kernel Triton sampler (layers/triton_sampler.py), which draws the same tokens
-    up to float rounding; CPU tensors the torch path."""
+def sample(logits: torch.Tensor, st: SamplingTensors, counters: torch.Tensor | int, counter_offset: int = 0
+           ) -> torch.Tensor:
+    """logits [B, V] after penalties (any float dtype, read as fp32) -> token ids [B] (int64). The noise counter of
+    row i is counters[i] (or one value for all rows) + counter_offset. CUDA tensors take the one-kernel Triton
+    sampler (layers/triton_sampler.py), which draws the same tokens up to float rounding; CPU tensors the torch
+    path."""
     kernel = _triton_sample() if logits.is_cuda and TRITON_SAMPLER else None
     if kernel is not None:
-        return kernel(logits, st.do_sample, st.temperature, st.top_k, st.top_p, st.seeds, counters)
+        return kernel(logits, st.do_sample, st.temperature, st.top_k, st.top_p, st.seeds, counters, counter_offset)
     if not isinstance(counters, torch.Tensor):
         counters = torch.tensor(counters, device=logits.device)
     col_hash = _column_hash(logits.shape[-1], str(logits.device))
-    return _sample(logits, st.do_sample, st.temperature, st.top_k, st.top_p, st.seeds, counters, col_hash)
+    return _sample(logits.float(), st.do_sample, st.temperature, st.top_k, st.top_p, st.seeds,
+                   counters + counter_offset, col_hash)
 
 
 @functools.cache

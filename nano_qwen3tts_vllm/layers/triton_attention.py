@@ -15,6 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import launch_dependents, use_pdl, wait_prior
+
 
 @triton.jit
 def _round(x, dtype: tl.constexpr):
@@ -35,7 +37,8 @@ def _fused_decode_kernel(qkv_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, pos_ptr, bt_
                          part_ptr, eps, scale, stride_qkv, stride_pos, stride_cos, stride_bt, stride_kb, stride_ks,
                          stride_kh, stride_out, NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
                          GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                         BLOCK_N: tl.constexpr, SPLITS: tl.constexpr):
+                         BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, PDL: tl.constexpr):
+    launch_dependents(PDL)  # the next kernel (o_proj) streams its weights meanwhile
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -47,6 +50,11 @@ def _fused_decode_kernel(qkv_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, pos_ptr, bt_
     sign = tl.where(d < D // 2, -1.0, 1.0)
     g = tl.arange(0, GROUP_PAD)
     g_mask = g < GROUP
+    qw = tl.load(qw_ptr + d).to(tl.float32)
+    qw_rot = tl.load(qw_ptr + d_rot).to(tl.float32)
+    kw = tl.load(kw_ptr + d).to(tl.float32)
+    kw_rot = tl.load(kw_ptr + d_rot).to(tl.float32)
+    wait_prior(PDL)
     pos = tl.load(pos_ptr + b * stride_pos)
     cos = tl.load(cos_ptr + pos * stride_cos + d).to(tl.float32)
     sin = tl.load(sin_ptr + pos * stride_cos + d).to(tl.float32)
@@ -55,15 +63,11 @@ def _fused_decode_kernel(qkv_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, pos_ptr, bt_
     q_off = (kvh * GROUP + g)[:, None] * D
     q = tl.load(row + q_off + d[None, :], mask=g_mask[:, None], other=0.0).to(tl.float32)
     q_rot = tl.load(row + q_off + d_rot[None, :], mask=g_mask[:, None], other=0.0).to(tl.float32)
-    qw = tl.load(qw_ptr + d).to(tl.float32)
-    qw_rot = tl.load(qw_ptr + d_rot).to(tl.float32)
     q = _norm_rope(q, q_rot, qw, qw_rot, sign, cos, sin, eps, D, dtype)
     k_off = NUM_HEADS * D + kvh * D
     dk = d[None, :]  # the new k/v as [1, D] rows
     k = tl.load(row + k_off + dk).to(tl.float32)
     k_rot = tl.load(row + k_off + d_rot[None, :]).to(tl.float32)
-    kw = tl.load(kw_ptr + d).to(tl.float32)
-    kw_rot = tl.load(kw_ptr + d_rot).to(tl.float32)
     k = _norm_rope(k, k_rot, kw, kw_rot, sign, cos, sin, eps, D, dtype)
     v = tl.load(row + k_off + NUM_KV_HEADS * D + dk)
 
@@ -117,8 +121,10 @@ def _fused_decode_kernel(qkv_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, pos_ptr, bt_
 
 @triton.jit
 def _combine_kernel(part_ptr, out_ptr, stride_out, NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                    SPLITS: tl.constexpr):
+                    SPLITS: tl.constexpr, PDL: tl.constexpr):
     """One program per (sequence, query head): the splits' partial softmax sums -> the attention output."""
+    launch_dependents(PDL)
+    wait_prior(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     D: tl.constexpr = HEAD_DIM
@@ -149,14 +155,16 @@ def fused_decode(qkv: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor, 
     out = torch.empty(B, num_heads * D, dtype=qkv.dtype, device=qkv.device)
     part = torch.empty(B, num_heads, splits, D + 2, dtype=torch.float32, device=qkv.device) if splits > 1 else out
     group = num_heads // Hkv
+    pdl = use_pdl(qkv)
     # one warp and 16-position tiles: at batch 1 and 64, 17 or 150 positions, the fastest on an H100
     _fused_decode_kernel[(B, Hkv, splits)](
         qkv, q_norm, k_norm, cos, sin, positions, block_tables, k_cache, v_cache, out, part, eps, scale,
         qkv.stride(0), positions.stride(0), cos.stride(0), block_tables.stride(0), k_cache.stride(0),
         k_cache.stride(1), k_cache.stride(2), out.stride(0),
         NUM_HEADS=num_heads, NUM_KV_HEADS=Hkv, GROUP_PAD=max(triton.next_power_of_2(group), 1), HEAD_DIM=D,
-        BLOCK_SIZE=block_size, BLOCK_N=16, SPLITS=splits, num_warps=1)
+        BLOCK_SIZE=block_size, BLOCK_N=16, SPLITS=splits, PDL=pdl, num_warps=1,
+        launch_pdl=pdl)
     if splits > 1:
         _combine_kernel[(B, num_heads)](part, out, out.stride(0), NUM_HEADS=num_heads, HEAD_DIM=D, SPLITS=splits,
-                                        num_warps=1)
+                                        PDL=pdl, num_warps=1, launch_pdl=pdl)
     return out

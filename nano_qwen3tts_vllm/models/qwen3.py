@@ -98,7 +98,11 @@ class Qwen3Decoder(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, embeds: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:
+        return add_rms_norm(*self.layers_forward(embeds, positions, meta), self.norm.weight, self.norm.eps)[1]
+
+    def layers_forward(self, embeds: torch.Tensor, positions: torch.Tensor, meta) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layers alone -> (last MLP output, residual before it): `self.norm` of their sum is the output."""
         h, residual = embeds, None
         for layer in self.layers:
             h, residual = layer(positions, h, residual, meta)
-        return add_rms_norm(h, residual, self.norm.weight, self.norm.eps)[1]
+        return h, residual
