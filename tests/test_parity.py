@@ -1,6 +1,7 @@
 """Token-exact parity with qwen-tts (the reference) in fp32 greedy on tiny random checkpoints."""
 from __future__ import annotations
 
+import asyncio
 import warnings
 
 import numpy as np
@@ -75,7 +76,10 @@ def test_voice_clone(ckpt, reference, ours, ref_wav, name, non_streaming_mode, x
 def test_clips_decoded_while_generating_equal_the_reference(ckpt, reference, ours, ref_wav, monkeypatch):
     """The CUDA path for whole clips (decoded piece by piece while generated, api/clip_pipeline) forced on here:
     the same codes as qwen-tts, and its audio within the codec's fp32 tolerance, for a batch and for in-context
-    voice cloning (the reference codes lead the clip, and their audio is cut)."""
+    voice cloning (the reference codes lead the clip, and their audio is cut). The asyncio API (which decodes on a
+    worker thread) gives the same audio."""
+    from nano_qwen3tts_vllm.api import interface
+    from nano_qwen3tts_vllm.api.clip_pipeline import decode_while_generating
     from nano_qwen3tts_vllm.models.codec_decoder import StreamingCodecDecoder
     for name, call, kw in [
             ("tiny-random", "generate_custom_voice",
@@ -92,6 +96,11 @@ def test_clips_decoded_while_generating_equal_the_reference(ckpt, reference, our
         for a, b, x, y in zip(ref.codes, mine.codes, wr, wo):
             assert torch.equal(a, b) and x.shape == y.shape and y.dtype == np.float32
             np.testing.assert_allclose(y, x, atol=2e-4, rtol=0)
+        calls = []
+        monkeypatch.setattr(interface, "decode_while_generating",
+                            lambda *a, **k: calls.append(1) or decode_while_generating(*a, **k))
+        wa, _ = asyncio.run(getattr(mine, "a" + call)(**kw, **GREEDY))
+        assert calls and len(wa) == len(wo) and all(np.array_equal(a, b) for a, b in zip(wa, wo))
 
 
 def test_voice_clone_prompt_reuse(ckpt, reference, ours, ref_wav):

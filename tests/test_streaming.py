@@ -96,6 +96,35 @@ def test_asyncio_variants_match_sync(cv):
     assert_same_audio(sync[1], np.concatenate(streamed))
 
 
+@pytest.mark.parametrize("clip_pipeline", [False, True])  # True: the CUDA path (decoding on a worker thread)
+def test_cancelling_an_asyncio_call_aborts_its_requests(cv, clip_pipeline, monkeypatch):
+    from nano_qwen3tts_vllm.models.codec_decoder import StreamingCodecDecoder
+    if clip_pipeline:
+        monkeypatch.setattr(cv, "clip_decoder", StreamingCodecDecoder(cv.speech_tokenizer.model.decoder, 1))
+    eng = cv.engine.engine
+
+    async def go():
+        task = asyncio.ensure_future(cv.agenerate_custom_voice(["Cancel me.", "And me."], speaker="vivian",
+                                                               language="english", max_new_tokens=480,
+                                                               min_new_tokens=480))
+        for _ in range(200):  # until both are generating
+            await asyncio.sleep(0.02)
+            if len(eng.scheduler.running) == 2:
+                break
+        assert len(eng.scheduler.running) == 2 and not task.done()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        for _ in range(100):  # the abort is applied by the engine thread (here, not after asyncio.run has waited
+            if not eng.has_unfinished():  # for the decoding thread)
+                break
+            await asyncio.sleep(0.05)
+        assert not eng.has_unfinished()
+    asyncio.run(go())
+    bm = eng.scheduler.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
+
+
 def test_many_threads_share_one_instance(cv):
     texts = [f"Thread number {i} says hello." for i in range(10)]
     alone = {t: cv.generate_custom_voice(t, **KW)[0][0] for t in texts[:3]}

@@ -439,21 +439,25 @@ class Qwen3TTSInterface:
         """On CUDA the clips are decoded while they are generated (clip_pipeline); elsewhere after."""
         streams = self._submit(jobs)
         try:
-            if self.clip_decoder is None:
-                frames = [list(s) for s in streams]
-            else:
-                codes, wavs = decode_while_generating(self.clip_decoder, [iter(s) for s in streams],
-                                                      [job.ref_codes for job in jobs], self.clip_stream)
+            if self.clip_decoder is not None:
+                return self._decode_while_generating(jobs, streams)
+            frames = [list(s) for s in streams]
         except BaseException:
             for s in streams:
                 s.abort()
             raise
-        if self.clip_decoder is None:
-            return self._decode(jobs, frames)
-        sr = int(self.speech_tokenizer.get_output_sample_rate())
-        return self._finish(jobs, codes, [w.float().cpu().numpy() for w in wavs]), sr
+        return self._decode(jobs, frames)
 
     async def _arun(self, jobs: list[TTSRequest]) -> tuple[list[np.ndarray], int]:
+        """_run for the event loop: decoding (while generating on CUDA) runs on a worker thread."""
+        if self.clip_decoder is not None:
+            streams = self._submit(jobs)
+            try:
+                return await asyncio.to_thread(self._decode_while_generating, jobs, streams)
+            except BaseException:  # also a cancelled caller: the aborted streams end the thread's reads
+                for s in streams:
+                    s.abort()
+                raise
         streams = self._submit(jobs, loop=asyncio.get_running_loop())
         try:
             frames = [[f async for f in s.aiter()] for s in streams]
@@ -462,6 +466,12 @@ class Qwen3TTSInterface:
                 s.abort()
             raise
         return await asyncio.to_thread(self._decode, jobs, frames)
+
+    def _decode_while_generating(self, jobs: list[TTSRequest], streams: list) -> tuple[list[np.ndarray], int]:
+        codes, wavs = decode_while_generating(self.clip_decoder, [iter(s) for s in streams],
+                                              [job.ref_codes for job in jobs], self.clip_stream)
+        sr = int(self.speech_tokenizer.get_output_sample_rate())
+        return self._finish(jobs, codes, [w.float().cpu().numpy() for w in wavs]), sr
 
     def decode_codes(self, codes: list[torch.Tensor]) -> tuple[list[np.ndarray], int]:
         """Whole clips of codes [T_i, 16] -> (float32 waveforms, sample rate), as qwen-tts's speech tokenizer decodes
