@@ -106,6 +106,21 @@ def test_fp32_seeded_sampling_is_batch_invariant(gpu_models):
         assert torch.equal(mine.codes[0], codes)
 
 
+def test_asyncio_whole_clips_equal_sync_on_cuda(gpu_models):
+    """agenerate_* decodes while generating on a worker thread (the CUDA clip pipeline): the same audio as
+    generate_*, for two calls at once."""
+    import asyncio
+    mine = gpu_models("tiny-random")
+    assert mine.clip_decoder is not None
+    kw = dict(speaker="vivian", language="english", max_new_tokens=40, **GREEDY)
+    sync = [mine.generate_custom_voice(t, **kw)[0][0] for t in TEXTS[:2]]
+
+    async def go():
+        return await asyncio.gather(*(mine.agenerate_custom_voice(t, **kw) for t in TEXTS[:2]))
+    got = [wavs[0] for wavs, _ in asyncio.run(go())]
+    assert all(np.array_equal(a, b) for a, b in zip(got, sync))
+
+
 def test_graph_and_eager_agree_fp32(ckpt):
     from nano_qwen3tts_vllm.config import EngineConfig
     from nano_qwen3tts_vllm.engine.llm_engine import LLMEngine
