@@ -210,7 +210,8 @@ def wave_stats(recs, wave_start: float, wave_end: float, sr: int) -> dict:
     wall = wave_end - wave_start
     return dict(wall_s=r(wall, 3), audio_s=r(sum(audio), 2), aggregate_xrt=r(sum(audio) / wall, 1),
                 per_stream_xrt_p50=r(median(rtf)), per_stream_xrt_worst=r(min(rtf)),
-                ttfa_ms_p50=r(median(ttfa), 1), ttfa_ms_p95=r(pct(ttfa, 95), 1), ttfa_ms_max=r(max(ttfa), 1))
+                ttfa_ms_p50=r(median(ttfa), 1), ttfa_ms_p95=r(pct(ttfa, 95), 1), ttfa_ms_max=r(max(ttfa), 1),
+                ttfa_ms_mean=r(sum(ttfa) / len(ttfa), 1))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -595,6 +596,34 @@ async def http_wave(base: str, body: dict, c: int, timeout: float):
     return recs, start, end
 
 
+LATENCY_SERIES = {"queue": "nano_qwen3tts_request_queue_seconds", "first_frame": "nano_qwen3tts_time_to_first_frame_seconds",
+                  "first_audio": "nano_qwen3tts_time_to_first_audio_seconds"}
+
+
+def scrape_latency(base: str) -> dict[str, float]:
+    """The server's latency sums and counts (/metrics)."""
+    import httpx
+    want = {f"{m}_{k}" for m in LATENCY_SERIES.values() for k in ("sum", "count")}
+    out = {}
+    for line in httpx.get(base + "/metrics", timeout=10).text.splitlines():
+        name, _, value = line.partition(" ")
+        if name in want:
+            out[name] = float(value)
+    missing = want - out.keys()
+    if missing:
+        raise BenchError(f"ours-http: /metrics lacks {sorted(missing)}")
+    return out
+
+
+def latency_means(before: dict, after: dict) -> dict:
+    """Mean ms per request of one wave, server side: queueing, first frame, first audio (all from arrival)."""
+    out = {}
+    for key, m in LATENCY_SERIES.items():
+        n = after[f"{m}_count"] - before[f"{m}_count"]
+        out[f"server_{key}_ms_mean"] = r(1000 * (after[f"{m}_sum"] - before[f"{m}_sum"]) / n, 1) if n else None
+    return out
+
+
 def run_http(args, model_dir: str, tmpdir: str) -> dict:
     import httpx
     spf, sr = codec_facts(model_dir)
@@ -657,6 +686,7 @@ def run_http(args, model_dir: str, tmpdir: str) -> dict:
             asyncio.run(http_wave(base, dict(body, max_new_tokens=WARM_FRAMES + 1), max_c, remaining()))
         sweep = []
         for c in args.concurrency:
+            before = scrape_latency(base)
             try:
                 recs, start, end = asyncio.run(http_wave(base, body, c, remaining()))
             except asyncio.TimeoutError:
@@ -666,7 +696,7 @@ def run_http(args, model_dir: str, tmpdir: str) -> dict:
                     raise BenchError(f"ours-http: concurrency {c} stream {i}: odd byte count {rec[3]} for s16le")
                 check_stream(f"ours-http concurrency {c} stream {i}", rec[3] // 2, F, spf)
             recs = [(a, b, c_, n // 2) for a, b, c_, n in recs]  # bytes -> samples
-            row = dict(concurrency=c, **wave_stats(recs, start, end, sr))
+            row = dict(concurrency=c, **wave_stats(recs, start, end, sr), **latency_means(before, scrape_latency(base)))
             sweep.append(row)
             res["concurrency"] = sweep
             log(f"ours-http: {json.dumps(row)}")
@@ -758,6 +788,14 @@ def table(report: dict) -> str:
                          f"{fmt(row['per_stream_xrt_p50']):>10}{fmt(row['per_stream_xrt_worst']):>11}"
                          f"{fmt(row['ttfa_ms_p50']):>10}{fmt(row['ttfa_ms_p95']):>10}{fmt(row['wall_s']):>9}")
         http = S.get("ours-http") or {}
+        rows = [row for row in http.get("concurrency") or [] if row.get("server_first_frame_ms_mean") is not None]
+        if rows:
+            L.append("  ours-http TTFA means in ms, C: queued (engine) / first frame (engine) / first audio (server) / "
+                     "first bytes (client)")
+            L.append("    " + ";  ".join(f"{row['concurrency']}: {fmt(row['server_queue_ms_mean'])} / "
+                                        f"{fmt(row['server_first_frame_ms_mean'])} / "
+                                        f"{fmt(row['server_first_audio_ms_mean'])} / {fmt(row['ttfa_ms_mean'])}"
+                                        for row in rows))
         if http.get("startup_s") is not None:
             L.append(f"  ours-http: server start {http['startup_s']} s, mem GiB {mem(http)}")
     L.append("-" * 100)

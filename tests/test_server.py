@@ -613,6 +613,11 @@ def test_health_and_metrics(cv):
     assert 'nano_qwen3tts_http_requests_total{route="/v1/audio/speech",status="200"}' in text
     assert 'nano_qwen3tts_http_requests_total{route="/v1/audio/speech",status="400"}' in text
     assert 'nano_qwen3tts_speech_outcomes_total{outcome="completed"}' in text
+    # where time to first audio goes: queueing before the first prefill, then up to the first frame
+    n = metric(cv, "nano_qwen3tts_request_queue_seconds_count")
+    assert n >= 1 and n == metric(cv, "nano_qwen3tts_time_to_first_frame_seconds_count")
+    queued = metric(cv, "nano_qwen3tts_request_queue_seconds_sum")
+    assert 0 <= queued < metric(cv, "nano_qwen3tts_time_to_first_frame_seconds_sum") < 60 * n
 
     dead = SimpleNamespace(stats=lambda: dict(running=0, waiting=0, kv_usage=0.0, alive=0.0, max_num_seqs=1),
                            model_cfg=SimpleNamespace(model_type="custom_voice"), get_supported_speakers=lambda: [])

@@ -226,13 +226,15 @@ class Qwen3TTSInterface:
         return self._astream(request, chunk_size, first_chunk_size)
 
     def stats(self) -> dict[str, float]:
-        """Engine load, for health checks and metrics."""
+        """Engine load and request latency sums (first prefill, first frame), for health checks and metrics."""
         eng = self.engine.engine
         bm = eng.scheduler.block_manager
         return dict(running=len(eng.scheduler.running), waiting=len(eng.scheduler.waiting),
                     kv_blocks_total=bm.num_blocks, kv_blocks_free=bm.num_free_blocks,
                     kv_usage=1 - bm.num_free_blocks / bm.num_blocks, preemptions=eng.scheduler.num_preemptions,
                     max_num_seqs=eng.cfg.max_num_seqs, codec_streams=self.codecs.slots.in_use(),
+                    first_frames=eng.latency.count, queued_seconds_sum=eng.latency.queued_s,
+                    first_frame_seconds_sum=eng.latency.first_frame_s,
                     codec_streams_max=self.codecs.slots.n,
                     alive=float(self.engine.is_alive() and (self.codec_worker is None or self.codec_worker.is_alive())))
 

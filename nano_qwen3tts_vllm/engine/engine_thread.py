@@ -125,7 +125,7 @@ class EngineThread:
         stream = RequestStream(request_id, self)
         if loop is not None:
             stream.bind_loop(loop)
-        self._commands.put(("add", stream, prompt, params))
+        self._commands.put(("add", stream, prompt, params, time.monotonic()))
         return stream
 
     def abort(self, request_id: str) -> None:
@@ -144,9 +144,9 @@ class EngineThread:
         if cmd[0] == "stop":
             return False
         if cmd[0] == "add":
-            _, stream, prompt, params = cmd
+            _, stream, prompt, params, arrival = cmd
             try:
-                self.engine.add_request(prompt, params, stream.request_id)
+                self.engine.add_request(prompt, params, stream.request_id, arrival)
                 self._streams[stream.request_id] = stream
             except Exception as e:  # noqa: BLE001 - delivered to the caller
                 stream._put(e)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import random
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,6 +17,21 @@ from .scheduler import Scheduler
 from .sequence import Prompt, Sequence, decode_batch
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class LatencyStats:
+    """Sums over the requests that reached their first frame (Prometheus summaries): seconds from submission to
+    the first prefill (queueing), and to the first frame."""
+    count: int = 0
+    queued_s: float = 0.0
+    first_frame_s: float = 0.0
+
+    def record(self, seq: Sequence) -> None:
+        now = time.monotonic()
+        self.count += 1
+        self.queued_s += (seq.scheduled_at or now) - seq.arrival
+        self.first_frame_s += now - seq.arrival
 
 
 @dataclass
@@ -58,8 +74,10 @@ class LLMEngine:
         self.pipelined = self.cfg.async_scheduling and self.executor.pipelined
         self._inflight: DecodeStep | None = None
         self._seed_rng = random.SystemRandom()
+        self.latency = LatencyStats()
         if self.device.type == "cuda":
             self.warmup()
+            self.latency = LatencyStats()  # without the warm-up requests
 
     def warmup(self) -> None:
         """Run a few throwaway requests so one-time work (kernel compilation for the prefill
@@ -87,10 +105,13 @@ class LLMEngine:
                              f"{need} KV positions; the engine holds at most {self.max_frames} per sequence "
                              "(lower max_new_tokens, shorten the text, or raise max_model_len)")
 
-    def add_request(self, prompt: Prompt, params: SamplingParams, request_id: str | None = None) -> Sequence:
+    def add_request(self, prompt: Prompt, params: SamplingParams, request_id: str | None = None,
+                    arrival: float | None = None) -> Sequence:
+        """arrival: when it was submitted (time.monotonic(); default now)."""
         self.check_fits(prompt, params)
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
-        seq = Sequence(prompt, params, self.cfg.kvcache_block_size, self.model_cfg.tts_pad_id, seed, request_id)
+        seq = Sequence(prompt, params, self.cfg.kvcache_block_size, self.model_cfg.tts_pad_id, seed, request_id,
+                       arrival)
         if seq.request_id in self.seqs:
             raise ValueError(f"request id {seq.request_id!r} is already in use")
         self.seqs[seq.request_id] = seq
@@ -158,6 +179,8 @@ class LLMEngine:
             if seq.is_finished:
                 continue
             seq.frames.append(frame)
+            if len(seq.frames) == 1:
+                self.latency.record(seq)
             out = StepOutput(seq.request_id, frame, False)
             done = self._append_c0(seq, tok)
             if done:

@@ -4,6 +4,7 @@ step for every running sequence; when blocks run out, the newest running sequenc
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 
 from ..config import EngineConfig
@@ -41,6 +42,8 @@ class Scheduler:
             num_batched += seq.num_tokens - seq.num_cached_tokens
             seq.status = SequenceStatus.RUNNING
             seq.slot = self.free_slots.pop()
+            if seq.scheduled_at is None:
+                seq.scheduled_at = time.monotonic()
             self.waiting.popleft()
             self.running.append(seq)
             scheduled.append(seq)

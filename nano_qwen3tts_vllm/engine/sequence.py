@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import itertools
+import time
 from dataclasses import dataclass
 from enum import Enum, auto
 
@@ -80,8 +81,10 @@ class Sequence:
     _ids = itertools.count()
 
     def __init__(self, prompt: Prompt, params: SamplingParams, block_size: int, tts_pad_id: int,
-                 seed: int, request_id: str | None = None):
+                 seed: int, request_id: str | None = None, arrival: float | None = None):
         self.seq_id = next(Sequence._ids)
+        self.arrival = time.monotonic() if arrival is None else arrival  # when it was submitted
+        self.scheduled_at: float | None = None  # its first prefill
         self.request_id = request_id if request_id is not None else str(self.seq_id)
         self.prompt = prompt
         self.params = params

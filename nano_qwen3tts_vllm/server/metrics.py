@@ -4,7 +4,7 @@ from __future__ import annotations
 from typing import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import GaugeMetricFamily, SummaryMetricFamily
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 PREFIX = "nano_qwen3tts"
@@ -27,6 +27,13 @@ class _EngineCollector:
                          ("alive", "1 while the engine runs.")):
             name = {"running": "requests_running", "waiting": "requests_waiting"}.get(key, key)
             yield GaugeMetricFamily(f"{PREFIX}_{name}", doc, value=float(s.get(key, 0)))
+        n = s.get("first_frames", 0)
+        yield SummaryMetricFamily(f"{PREFIX}_request_queue_seconds", "From submission to the engine to the first "
+                                  "prefill, over the requests that reached their first frame.", count_value=n,
+                                  sum_value=s.get("queued_seconds_sum", 0.0))
+        yield SummaryMetricFamily(f"{PREFIX}_time_to_first_frame_seconds", "From submission to the engine to the "
+                                  "first generated frame (before any audio decoding).", count_value=n,
+                                  sum_value=s.get("first_frame_seconds_sum", 0.0))
         yield GaugeMetricFamily(f"{PREFIX}_requests_in_flight", "Speech requests the server holds (queue depth "
                                 "for --max-queue), including those still being validated or encoded.",
                                 value=float(self.in_flight()))
