@@ -1,6 +1,7 @@
 """Prometheus metrics: engine load (read from tts.stats() at scrape time), latency, real-time factor, requests."""
 from __future__ import annotations
 
+import time
 from typing import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -48,7 +49,8 @@ class Metrics:
         self.speech_outcomes = Counter(f"{PREFIX}_speech_outcomes", "Speech responses by how they ended: "
                                        "completed, disconnected (client left; request aborted) or error.",
                                        ["outcome"], registry=self.registry)
-        self.ttfa = Histogram(f"{PREFIX}_time_to_first_audio_seconds", "From request arrival to its first audio.",
+        self.ttfa = Histogram(f"{PREFIX}_time_to_first_audio_seconds",
+                              "From the request's arrival (before its body is read) to its first audio.",
                               buckets=(.025, .05, .1, .15, .2, .3, .5, .75, 1, 1.5, 2, 3, 5, 10, 20),
                               registry=self.registry)
         self.rtf = Histogram(f"{PREFIX}_real_time_factor", "Generation wall time / audio duration (<1 is "
@@ -58,7 +60,9 @@ class Metrics:
 
 
 class RequestCounter:
-    """ASGI middleware counting every HTTP response by route template and status code."""
+    """ASGI middleware counting every HTTP response by route template and status code. It also stamps the
+    request's arrival (`request.state.arrived`, time.perf_counter()) before the body is read and validated, so
+    latencies measured from it include that work."""
 
     def __init__(self, app: ASGIApp, metrics: Metrics):
         self.app, self.metrics = app, metrics
@@ -67,6 +71,7 @@ class RequestCounter:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        scope.setdefault("state", {})["arrived"] = time.perf_counter()
         status = [500]
 
         async def record_status(message: Message) -> None:

@@ -240,7 +240,7 @@ def _whole(job: SpeechJob, audio: np.ndarray, fmt: str, headers: dict) -> Respon
 
 
 async def create_speech(state: "ServerState", body: SpeechRequest, http: Request) -> Response:
-    arrived = time.perf_counter()
+    arrived = getattr(http.state, "arrived", None) or time.perf_counter()  # RequestCounter's stamp
     state.check_model(body.model)
     plan = plan_response(body)
     task = resolve_task(body, state.tts.model_cfg.model_type)
