@@ -83,6 +83,7 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("nano_qwen3tts_vllm").setLevel(args.log_level.upper())
     import uvicorn
+    from .gc_pauses import freeze_startup_objects, log_long_pauses
     from .server import ServerSettings, create_app
 
     settings = ServerSettings(
@@ -102,6 +103,8 @@ def main(argv: list[str] | None = None) -> None:
         # uvicorn handles SIGINT/SIGTERM: it stops accepting, gives open streams 10 s, then runs the app's
         # shutdown (which closes the engine) and re-raises the signal
         app = create_app(tts, settings, on_shutdown=close)
+        freeze_startup_objects()  # a full collection would stall every stream (gc_pauses)
+        log_long_pauses()
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=10)
     except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C after a clean shutdown
         pass

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 import zmq
 
+from ..gc_pauses import freeze_startup_objects, log_long_pauses
 from ..models.codec_decoder import CodecGraphs, CodecStream, SlotPool, StreamingCodecDecoder
 from .protocol import launch, make_socket, poll, recv, send
 
@@ -121,6 +122,8 @@ def run_codec_worker(model_dir: str, device: str, dtype: str, addrs: dict, paren
     codec = Qwen3TTSTokenizer.from_pretrained(str(Path(model_dir) / "speech_tokenizer"), dtype=getattr(torch, dtype),
                                               device_map=device).model
     worker = CodecWorker(StreamingCodecDecoder(codec.decoder, max_streams), results, max_batch)
+    freeze_startup_objects()
+    log_long_pauses()
     send(results, {"op": "ready", "upsample": codec.get_decode_upsample_rate()})
     while True:
         if not worker.has_work():

@@ -17,6 +17,7 @@ import zmq
 
 from ..config import EngineConfig, ModelConfig
 from ..engine.sequence import PENDING_C0, DecodeBatch
+from ..gc_pauses import freeze_startup_objects, log_long_pauses
 from .protocol import make_socket, poll, recv, send
 
 logger = logging.getLogger(__name__)
@@ -61,6 +62,8 @@ def run_worker(role: str, model_dir: str, cfg: EngineConfig, device: str, dtype:
     except Exception:  # noqa: BLE001 - reported to the engine, which fails its start
         send(results, {"op": "error", "who": role, "step": 0, "error": traceback.format_exc()})
         return
+    freeze_startup_objects()
+    log_long_pauses()
     send(results, {"op": "ready", "who": role, "num_blocks": getattr(worker, "num_blocks", 0)})
     while True:
         _wait(inbox, parent_pid)
