@@ -10,7 +10,7 @@ import asyncio
 import json
 import logging
 import warnings
-from contextlib import aclosing
+from contextlib import aclosing, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import AsyncIterator, Iterator
@@ -74,6 +74,17 @@ def resolve_model_dir(model: str) -> Path:
         return path
     from huggingface_hub import snapshot_download
     return Path(snapshot_download(model))
+
+
+@contextmanager
+def _aborted_on_error(streams: list[RequestStream]) -> Iterator[None]:
+    """Abort every request of `streams` if the block raises (or is cancelled)."""
+    try:
+        yield
+    except BaseException:
+        for s in streams:
+            s.abort()
+        raise
 
 
 class Qwen3TTSInterface:
@@ -440,33 +451,21 @@ class Qwen3TTSInterface:
     def _run(self, jobs: list[TTSRequest]) -> tuple[list[np.ndarray], int]:
         """On CUDA the clips are decoded while they are generated (clip_pipeline); elsewhere after."""
         streams = self._submit(jobs)
-        try:
+        with _aborted_on_error(streams):
             if self.clip_decoder is not None:
                 return self._decode_while_generating(jobs, streams)
             frames = [list(s) for s in streams]
-        except BaseException:
-            for s in streams:
-                s.abort()
-            raise
         return self._decode(jobs, frames)
 
     async def _arun(self, jobs: list[TTSRequest]) -> tuple[list[np.ndarray], int]:
         """_run for the event loop: decoding (while generating on CUDA) runs on a worker thread."""
         if self.clip_decoder is not None:
             streams = self._submit(jobs)
-            try:
+            with _aborted_on_error(streams):  # also a cancelled caller: the aborted streams end the thread's reads
                 return await asyncio.to_thread(self._decode_while_generating, jobs, streams)
-            except BaseException:  # also a cancelled caller: the aborted streams end the thread's reads
-                for s in streams:
-                    s.abort()
-                raise
         streams = self._submit(jobs, loop=asyncio.get_running_loop())
-        try:
+        with _aborted_on_error(streams):
             frames = [[f async for f in s.aiter()] for s in streams]
-        except BaseException:
-            for s in streams:
-                s.abort()
-            raise
         return await asyncio.to_thread(self._decode, jobs, frames)
 
     def _decode_while_generating(self, jobs: list[TTSRequest], streams: list) -> tuple[list[np.ndarray], int]:

@@ -30,7 +30,7 @@ class LatencyStats:
     def record(self, seq: Sequence) -> None:
         now = time.monotonic()
         self.count += 1
-        self.queued_s += (seq.scheduled_at or now) - seq.arrival
+        self.queued_s += seq.scheduled_at - seq.arrival
         self.first_frame_s += now - seq.arrival
 
 
