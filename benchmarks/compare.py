@@ -6,7 +6,8 @@
 
 Systems (run in this order, each one alone on the GPU):
   ours-http         `python -m nano_qwen3tts_vllm.serve` as a subprocess; concurrent httpx streaming clients
-                    (POST /v1/audio/speech, pcm): aggregate audio-s/s, per-stream x-real-time, TTFA (first bytes)
+                    (POST /v1/audio/speech, pcm) spread over --client-procs processes: aggregate audio-s/s,
+                    per-stream x-real-time, TTFA (first bytes)
   qwen-tts          the reference `qwen_tts.Qwen3TTSModel` (sdpa): batch 1 and batch --qwen-batch
   faster-qwen3-tts  `faster_qwen3_tts.FasterQwen3TTS` (CUDA graphs, batch 1): whole and streaming (chunk_size 8)
   ours              in-process `Qwen3TTSInterface`: batch 1, streaming, offline batch of --offline-n, and the
@@ -584,11 +585,13 @@ async def http_stream(client, url: str, body: dict):
     return t0, first, t1, n
 
 
-async def http_wave(base: str, body: dict, c: int, timeout: float):
+async def http_wave(base: str, body: dict, c: int, timeout: float, start_at: float | None = None):
     import httpx
     limits = httpx.Limits(max_connections=c + 4, max_keepalive_connections=c + 4)
     async with httpx.AsyncClient(base_url=base, limits=limits,
                                  timeout=httpx.Timeout(timeout, connect=30.0)) as client:
+        if start_at is not None:
+            await asyncio.sleep(max(0.0, start_at - time.perf_counter()))
         start = time.perf_counter()
         recs = await asyncio.wait_for(
             asyncio.gather(*[http_stream(client, "/v1/audio/speech", body) for _ in range(c)]), timeout)
@@ -596,8 +599,66 @@ async def http_wave(base: str, body: dict, c: int, timeout: float):
     return recs, start, end
 
 
+def _client_proc(conn, base: str) -> None:
+    """A load-generator process: runs its share of each wave, sends back (t0, t_first, t_end, bytes) per stream."""
+    while (msg := conn.recv()) is not None:
+        body, n, start_at, timeout = msg
+        try:
+            conn.send(("ok", asyncio.run(http_wave(base, body, n, timeout, start_at))[0]))
+        except BaseException as e:  # noqa: BLE001 - reported by the parent
+            conn.send(("error", f"{type(e).__name__}: {e}"))
+
+
+class ClientPool:
+    """Streaming clients spread over `n` processes, started together. One Python process costs about 1 ms of
+    HTTP client work per stream and chunk (measured on the CI machine), which at 64+ streams would queue in
+    front of the server's own latency; real users are separate processes. time.perf_counter is
+    CLOCK_MONOTONIC on Linux, so the processes' timestamps compare."""
+
+    def __init__(self, n: int, base: str):
+        import multiprocessing as mp
+        ctx = mp.get_context("spawn")
+        self.base = base
+        self.conns, self.procs = [], []
+        for _ in range(n):
+            mine, theirs = ctx.Pipe()
+            proc = ctx.Process(target=_client_proc, args=(theirs, base), daemon=True)
+            proc.start()
+            self.conns.append(mine)
+            self.procs.append(proc)
+
+    def wave(self, body: dict, c: int, procs: int, timeout: float):
+        """`c` streams over `procs` processes; (recs, start, end) like http_wave."""
+        k = min(procs, c, len(self.conns))
+        if k <= 1:
+            return asyncio.run(http_wave(self.base, body, c, timeout))
+        start = time.perf_counter() + 0.5  # time for every process to have its client ready
+        for i, conn in enumerate(self.conns[:k]):
+            conn.send((body, c // k + (i < c % k), start, timeout))
+        recs = []
+        for conn in self.conns[:k]:
+            if not conn.poll(timeout + 10):
+                raise BenchError(f"ours-http: a client process gave no result within {timeout + 10:.0f} s")
+            status, out = conn.recv()
+            if status != "ok":
+                raise BenchError(f"ours-http: a client process failed: {out}")
+            recs += out
+        return recs, start, max(t1 for _, _, t1, _ in recs)
+
+    def close(self) -> None:
+        for conn in self.conns:
+            with contextlib.suppress(Exception):
+                conn.send(None)
+        for proc in self.procs:
+            proc.join(timeout=5)
+            if proc.is_alive():
+                proc.kill()
+
+
 LATENCY_SERIES = {"queue": "nano_qwen3tts_request_queue_seconds", "first_frame": "nano_qwen3tts_time_to_first_frame_seconds",
-                  "first_audio": "nano_qwen3tts_time_to_first_audio_seconds"}
+                  "first_chunk_decode": "nano_qwen3tts_first_chunk_decode_seconds",
+                  "first_audio": "nano_qwen3tts_time_to_first_audio_seconds",
+                  "first_byte": "nano_qwen3tts_time_to_first_byte_seconds"}
 
 
 def scrape_latency(base: str) -> dict[str, float]:
@@ -616,7 +677,8 @@ def scrape_latency(base: str) -> dict[str, float]:
 
 
 def latency_means(before: dict, after: dict) -> dict:
-    """Mean ms per request of one wave, server side: queueing, first frame, first audio (all from arrival)."""
+    """Mean ms per request of one wave, server side: queueing, first frame, the first chunk's codec decode, first
+    audio and first bytes handed to the HTTP server (all but the decode from arrival)."""
     out = {}
     for key, m in LATENCY_SERIES.items():
         n = after[f"{m}_count"] - before[f"{m}_count"]
@@ -630,6 +692,7 @@ def run_http(args, model_dir: str, tmpdir: str) -> dict:
     F = args.frames
     cuda = args.device.startswith("cuda")
     res = dict(system="ours-http", status="running", device=args.device, frames=F, max_num_seqs=args.max_num_seqs,
+               client_procs=args.client_procs,
                gpu_memory_utilization=args.gpu_memory_utilization if cuda else None, chunk_size=args.chunk_size,
                first_chunk_size=args.first_chunk_size, max_new_tokens=F + 1)
     deadline = time.perf_counter() + args.timeout_per_system
@@ -649,6 +712,7 @@ def run_http(args, model_dir: str, tmpdir: str) -> dict:
     env["PYTHONPATH"] = str(REPO) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     env.setdefault("PYTHONUNBUFFERED", "1")
     t0 = time.perf_counter()
+    pool = None
     log(f"ours-http: starting the server on port {port} (log: {logf})")
     with open(logf, "w") as lf:
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=lf, stderr=subprocess.STDOUT,
@@ -679,27 +743,30 @@ def run_http(args, model_dir: str, tmpdir: str) -> dict:
                 raise BenchError(f"ours-http: out of time (--timeout-per-system {args.timeout_per_system:.0f} s)")
             return left
 
+        pool = ClientPool(max(args.client_procs), base)
         # warm-up: one full request, one short wave at the largest concurrency
         recs, _, _ = asyncio.run(http_wave(base, body, 1, remaining()))
         check_stream("ours-http warm-up", recs[0][3] // 2, F, spf)
         if args.concurrency:
-            asyncio.run(http_wave(base, dict(body, max_new_tokens=WARM_FRAMES + 1), max_c, remaining()))
+            pool.wave(dict(body, max_new_tokens=WARM_FRAMES + 1), max_c, args.client_procs[0], remaining())
         sweep = []
         for c in args.concurrency:
-            before = scrape_latency(base)
-            try:
-                recs, start, end = asyncio.run(http_wave(base, body, c, remaining()))
-            except asyncio.TimeoutError:
-                raise BenchError(f"ours-http: concurrency {c}: streams still running at the deadline") from None
-            for i, rec in enumerate(recs):
-                if rec[3] % 2:
-                    raise BenchError(f"ours-http: concurrency {c} stream {i}: odd byte count {rec[3]} for s16le")
-                check_stream(f"ours-http concurrency {c} stream {i}", rec[3] // 2, F, spf)
-            recs = [(a, b, c_, n // 2) for a, b, c_, n in recs]  # bytes -> samples
-            row = dict(concurrency=c, **wave_stats(recs, start, end, sr), **latency_means(before, scrape_latency(base)))
-            sweep.append(row)
-            res["concurrency"] = sweep
-            log(f"ours-http: {json.dumps(row)}")
+            for procs in dict.fromkeys(min(p, c) for p in args.client_procs):  # the headline count first
+                before = scrape_latency(base)
+                try:
+                    recs, start, end = pool.wave(body, c, procs, remaining())
+                except asyncio.TimeoutError:
+                    raise BenchError(f"ours-http: concurrency {c}: streams still running at the deadline") from None
+                for i, rec in enumerate(recs):
+                    if rec[3] % 2:
+                        raise BenchError(f"ours-http: concurrency {c} stream {i}: odd byte count {rec[3]} for s16le")
+                    check_stream(f"ours-http concurrency {c} stream {i}", rec[3] // 2, F, spf)
+                recs = [(a, b, c_, n // 2) for a, b, c_, n in recs]  # bytes -> samples
+                row = dict(concurrency=c, client_procs=procs, **wave_stats(recs, start, end, sr),
+                           **latency_means(before, scrape_latency(base)))
+                sweep.append(row)
+                res["concurrency"] = sweep
+                log(f"ours-http: {json.dumps(row)}")
         if proc.poll() is not None:
             raise BenchError(f"ours-http: the server died during the run (code {proc.returncode}); log ends:\n"
                              f"{tail(logf)}")
@@ -710,6 +777,8 @@ def run_http(args, model_dir: str, tmpdir: str) -> dict:
         if not isinstance(e, (BenchError, Exception)):
             raise  # KeyboardInterrupt / SystemExit: after the finally below
     finally:
+        if pool is not None:
+            pool.close()
         log("ours-http: stopping the server")
         kill_group(proc, grace=20)
         res["elapsed_s"] = r(time.perf_counter() - t0, 1)
@@ -784,18 +853,23 @@ def table(report: dict) -> str:
                  f"{'TTFA p50':>10}{'TTFA p95':>10}{'wall s':>9}")
         for n, sw in sweeps:
             for row in sw:
-                L.append(f"{n:<22}{row['concurrency']:>5}{fmt(row['aggregate_xrt']):>10}"
+                label = n if row.get("client_procs") in (None, http_procs(report, row)) else \
+                    f"{n} ({row['client_procs']} cl.)"
+                L.append(f"{label:<22}{row['concurrency']:>5}{fmt(row['aggregate_xrt']):>10}"
                          f"{fmt(row['per_stream_xrt_p50']):>10}{fmt(row['per_stream_xrt_worst']):>11}"
                          f"{fmt(row['ttfa_ms_p50']):>10}{fmt(row['ttfa_ms_p95']):>10}{fmt(row['wall_s']):>9}")
         http = S.get("ours-http") or {}
         rows = [row for row in http.get("concurrency") or [] if row.get("server_first_frame_ms_mean") is not None]
         if rows:
-            L.append("  ours-http TTFA means in ms, C: queued (engine) / first frame (engine) / first audio (server) / "
-                     "first bytes (client)")
-            L.append("    " + ";  ".join(f"{row['concurrency']}: {fmt(row['server_queue_ms_mean'])} / "
-                                        f"{fmt(row['server_first_frame_ms_mean'])} / "
-                                        f"{fmt(row['server_first_audio_ms_mean'])} / {fmt(row['ttfa_ms_mean'])}"
-                                        for row in rows))
+            L.append(f"  ours-http clients in {http.get('client_procs')} process(es) (cl.); TTFA means in ms, C/cl.: "
+                     "queued / first frame (engine) / first-chunk decode (codec) / first audio / first bytes sent "
+                     "(server) / first bytes (client)")
+            for i in range(0, len(rows), 3):
+                L.append("    " + ";  ".join(
+                    f"{row['concurrency']}/{row.get('client_procs', 1)}: {fmt(row['server_queue_ms_mean'])} / "
+                    f"{fmt(row['server_first_frame_ms_mean'])} / {fmt(row.get('server_first_chunk_decode_ms_mean'))}"
+                    f" / {fmt(row['server_first_audio_ms_mean'])} / {fmt(row.get('server_first_byte_ms_mean'))} / "
+                    f"{fmt(row['ttfa_ms_mean'])}" for row in rows[i:i + 3]))
         if http.get("startup_s") is not None:
             L.append(f"  ours-http: server start {http['startup_s']} s, mem GiB {mem(http)}")
     L.append("-" * 100)
@@ -818,6 +892,18 @@ def table(report: dict) -> str:
     return "\n".join(L)
 
 
+def http_procs(report: dict, row: dict) -> int | None:
+    """The headline client-process count of ours-http at this row's concurrency (None: not recorded)."""
+    procs = (report["systems"].get("ours-http") or {}).get("client_procs")
+    return min(procs[0], row["concurrency"]) if procs else None
+
+
+def headline(report: dict, name: str) -> list[dict]:
+    """The sweep rows a plot shows: for ours-http those of the headline client-process count."""
+    sw = (report["systems"].get(name) or {}).get("concurrency") or []
+    return [row for row in sw if row.get("client_procs") in (None, http_procs(report, row))]
+
+
 def plot(report: dict, path: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
@@ -827,7 +913,7 @@ def plot(report: dict, path: str) -> None:
     colors = {"ours": "tab:blue", "ours-http": "tab:orange"}
     drew = False
     for n in ("ours", "ours-http"):
-        sw = (S.get(n) or {}).get("concurrency")
+        sw = headline(report, n)
         if not sw:
             continue
         drew = True
@@ -892,6 +978,9 @@ def parse_args(argv=None):
     ap.add_argument("--commit", default=None, help="git commit to record where the tree has no .git "
                                                    "(default: git rev-parse --short HEAD, else 'unknown')")
     ap.add_argument("--timeout-per-system", type=float, default=300.0, help="seconds; the system fails after it")
+    ap.add_argument("--client-procs", type=int, nargs="+", default=[4],
+                    help="ours-http: processes the streaming clients are spread over (default 4); several values "
+                         "run each wave once per value, the first is the headline (table rows, plot)")
     ap.add_argument("--server-log", default=None, help="ours-http: keep the server's log here (at INFO level: "
                     "engine steps/s and per-step time every 10 s)")
     ap.add_argument("--out-json", default="benchmarks/compare.json")
@@ -907,6 +996,8 @@ def parse_args(argv=None):
         ap.error("--concurrency values must be >= 1")
     if args.offline_n < 0 or args.qwen_batch < 1 or args.repeats < 1:
         ap.error("--offline-n >= 0, --qwen-batch >= 1, --repeats >= 1")
+    if any(p < 1 for p in args.client_procs):
+        ap.error("--client-procs values must be >= 1")
     if args.max_num_seqs is not None and args.max_num_seqs < 1:
         ap.error("--max-num-seqs must be >= 1")
     if not 0 < args.gpu_memory_utilization <= 1:

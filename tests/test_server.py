@@ -603,9 +603,17 @@ def test_api_key(cv):
 
 def test_health_and_metrics(cv):
     assert httpx.get(cv.url + "/health").json() == {"status": "ok"}
+    series = ("time_to_first_audio_seconds", "time_to_first_byte_seconds", "first_chunk_decode_seconds")
+    before = {k: (metric(cv, f"nano_qwen3tts_{k}_count"), metric(cv, f"nano_qwen3tts_{k}_sum")) for k in series}
     # one good and one bad request of its own, so the counters below never depend on other tests
     assert speak(cv, model="tts-1", input="Counted.", voice="vivian", response_format="pcm", max_new_tokens=4,
                  **GREEDY).status_code == 200
+    # the streamed request's first audio: codec decode <= first chunk ready <= first bytes sent
+    delta = {k: (metric(cv, f"nano_qwen3tts_{k}_count") - n, metric(cv, f"nano_qwen3tts_{k}_sum") - t)
+             for k, (n, t) in before.items()}
+    assert [n for n, _ in delta.values()] == [1, 1, 1], delta
+    ttfa, ttfb, decode = (t for _, t in delta.values())
+    assert 0 < decode <= ttfa <= ttfb < 60, delta
     assert speak(cv, model="tts-1", input="", voice="vivian").status_code == 400
     r = httpx.get(cv.url + "/metrics")
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")

@@ -4,7 +4,9 @@ from __future__ import annotations
 import base64
 import binascii
 import io
+import threading
 import urllib.request
+from dataclasses import dataclass, field
 from urllib.parse import urlparse
 
 import numpy as np
@@ -75,16 +77,31 @@ class ChunkPlanner:
             raise ValueError(f"chunk_size and first_chunk_size must be >= 1, got {chunk_size} and {first_chunk_size}")
         self.chunk_size, self.first_chunk_size = chunk_size, first_chunk_size
         self.pending: list[list[int]] = []
-        self.first = True
+        self.chunks = 0  # handed out so far
 
     def push(self, frame: list[int]) -> list[list[int]] | None:
         self.pending.append(frame)
-        want = self.first_chunk_size if self.first else self.chunk_size
+        want = self.first_chunk_size if self.chunks == 0 else self.chunk_size
         return self._take() if len(self.pending) >= want else None
 
     def flush(self) -> list[list[int]] | None:
         return self._take() if self.pending else None
 
     def _take(self) -> list[list[int]]:
-        chunk, self.pending, self.first = self.pending, [], False
+        chunk, self.pending = self.pending, []
+        self.chunks += 1
         return chunk
+
+
+@dataclass
+class FirstChunkStats:
+    """Seconds from a stream's first chunk of frames to its audio (the codec's share of time to first audio),
+    summed over streams; recorded from any thread."""
+    count: int = 0
+    decode_s: float = 0.0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def record(self, seconds: float) -> None:
+        with self._lock:
+            self.count += 1
+            self.decode_s += seconds

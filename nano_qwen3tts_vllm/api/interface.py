@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 import warnings
 from contextlib import aclosing, contextmanager
 from dataclasses import dataclass
@@ -26,7 +27,7 @@ from ..engine.sequence import Prompt
 from ..models.codec_decoder import CodecStream, LocalCodecStreams, StreamingCodecDecoder
 from ..models.prompt import build_prompt
 from ..sampling_params import SamplingParams
-from .audio import ChunkPlanner, load_audio
+from .audio import ChunkPlanner, FirstChunkStats, load_audio
 from .clip_pipeline import decode_while_generating
 
 logger = logging.getLogger(__name__)
@@ -106,6 +107,7 @@ class Qwen3TTSInterface:
         self.clip_decoder = (StreamingCodecDecoder(speech_tokenizer.model.decoder, 1) if device.type == "cuda"
                              else None)
         self.clip_stream = torch.cuda.Stream(device) if self.clip_decoder is not None else None
+        self.first_chunks = FirstChunkStats()
 
     # ---- construction ---------------------------------------------------------------------
     @classmethod
@@ -245,7 +247,8 @@ class Qwen3TTSInterface:
                     kv_usage=1 - bm.num_free_blocks / bm.num_blocks, preemptions=eng.scheduler.num_preemptions,
                     max_num_seqs=eng.cfg.max_num_seqs, codec_streams=self.codecs.slots.in_use(),
                     first_frames=eng.latency.count, queued_seconds_sum=eng.latency.queued_s,
-                    first_frame_seconds_sum=eng.latency.first_frame_s,
+                    first_frame_seconds_sum=eng.latency.first_frame_s, first_chunks=self.first_chunks.count,
+                    first_chunk_decode_seconds_sum=self.first_chunks.decode_s,
                     codec_streams_max=self.codecs.slots.n,
                     alive=float(self.engine.is_alive() and (self.codec_worker is None or self.codec_worker.is_alive())))
 
@@ -514,9 +517,9 @@ class Qwen3TTSInterface:
             stream = self._submit([job])[0]
             for frame in stream:
                 if (chunk := plan.push(frame)) is not None:
-                    yield codec.decode(chunk)
+                    yield self._timed(plan, codec.decode, chunk)
             if (chunk := plan.flush()) is not None:
-                yield codec.decode(chunk)
+                yield self._timed(plan, codec.decode, chunk)
         finally:
             if stream is not None and stream.finish_reason is None:
                 stream.abort()
@@ -532,13 +535,27 @@ class Qwen3TTSInterface:
             stream = self._submit([job], loop=asyncio.get_running_loop())[0]
             async for frame in stream.aiter():
                 if (chunk := plan.push(frame)) is not None:
-                    yield await codec.adecode(chunk)
+                    yield await self._atimed(plan, codec.adecode(chunk))
             if (chunk := plan.flush()) is not None:
-                yield await codec.adecode(chunk)
+                yield await self._atimed(plan, codec.adecode(chunk))
         finally:
             if stream is not None and stream.finish_reason is None:
                 stream.abort()
             codec.close()
+
+    def _timed(self, plan: ChunkPlanner, decode, chunk) -> np.ndarray:
+        t = time.monotonic()
+        audio = decode(chunk)
+        if plan.chunks == 1:
+            self.first_chunks.record(time.monotonic() - t)
+        return audio
+
+    async def _atimed(self, plan: ChunkPlanner, decoding) -> np.ndarray:
+        t = time.monotonic()
+        audio = await decoding
+        if plan.chunks == 1:
+            self.first_chunks.record(time.monotonic() - t)
+        return audio
 
     def _open_codec(self, job: TTSRequest) -> CodecStream:
         """A decoder slot for one stream (StreamsBusyError when all are taken); ICL reference codes are

@@ -35,6 +35,10 @@ class _EngineCollector:
         yield SummaryMetricFamily(f"{PREFIX}_time_to_first_frame_seconds", "From submission to the engine to the "
                                   "first generated frame (before any audio decoding).", count_value=n,
                                   sum_value=s.get("first_frame_seconds_sum", 0.0))
+        yield SummaryMetricFamily(f"{PREFIX}_first_chunk_decode_seconds", "From a stream's first chunk of frames "
+                                  "to its decoded audio: the codec's share of time to first audio.",
+                                  count_value=s.get("first_chunks", 0),
+                                  sum_value=s.get("first_chunk_decode_seconds_sum", 0.0))
         yield GaugeMetricFamily(f"{PREFIX}_requests_in_flight", "Speech requests the server holds (queue depth "
                                 "for --max-queue), including those still being validated or encoded.",
                                 value=float(self.in_flight()))
@@ -51,6 +55,10 @@ class Metrics:
                                        ["outcome"], registry=self.registry)
         self.ttfa = Histogram(f"{PREFIX}_time_to_first_audio_seconds",
                               "From the request's arrival (before its body is read) to its first audio.",
+                              buckets=(.025, .05, .1, .15, .2, .3, .5, .75, 1, 1.5, 2, 3, 5, 10, 20),
+                              registry=self.registry)
+        self.ttfb = Histogram(f"{PREFIX}_time_to_first_byte_seconds", "Streamed responses: from the request's "
+                              "arrival to its first audio bytes handed to the HTTP server for sending.",
                               buckets=(.025, .05, .1, .15, .2, .3, .5, .75, 1, 1.5, 2, 3, 5, 10, 20),
                               registry=self.registry)
         self.rtf = Histogram(f"{PREFIX}_real_time_factor", "Generation wall time / audio duration (<1 is "

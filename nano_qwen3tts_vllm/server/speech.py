@@ -168,8 +168,16 @@ class AudioStreamResponse(StreamingResponse):
         self.job = job
 
     async def __call__(self, scope, receive, send) -> None:
+        first = True
+
+        async def stamped(message) -> None:
+            nonlocal first
+            await send(message)
+            if first and message["type"] == "http.response.body" and message.get("body"):
+                first = False
+                self.job.state.metrics.ttfb.observe(time.perf_counter() - self.job.arrived)
         try:
-            await super().__call__(scope, receive, send)
+            await super().__call__(scope, receive, stamped)
         finally:
             await self.body_iterator.aclose()
             await self.job.close()  # no-op unless the body never started
