@@ -238,8 +238,8 @@ def test_codec_worker_batches_equal_lengths_and_keeps_each_stream_in_order(refer
     while worker.has_work():
         worker.run_round()
         rounds += 1
-    # one chunk per stream per round, equal lengths batched (at most max_batch=2 per call)
-    assert calls == [([3, 2], 4), ([0], 4), ([1], 5), ([3], 12), ([2], 8), ([1], 5), ([3], 4)]
+    # one chunk per stream per round, equal lengths batched (at most max_batch=2 per call), shortest first
+    assert calls == [([3, 2], 4), ([0], 4), ([1], 5), ([1], 5), ([2], 8), ([3], 12), ([3], 4)]
     assert rounds == 3
     got = {h["id"]: torch.from_numpy(t[0].copy()) for h, t in out.sent}
     assert set(got) == set(jobs)

@@ -77,6 +77,47 @@ def test_close_leaves_no_worker_behind(ckpt):
     assert not any(alive(p) for p in workers)
 
 
+def worker_children() -> set[int]:
+    """This process's live talker and predictor worker processes."""
+    out = set()
+    for d in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{d}/cmdline", "rb") as f:
+                cmd = f.read()
+        except OSError:
+            continue
+        if ppid == os.getpid() and b"nano_qwen3tts_vllm.workers.worker" in cmd and alive(int(d)):
+            out.add(int(d))
+    return out
+
+
+def test_workers_load_together_and_the_talker_sizes_its_kv_cache_last(ckpt):
+    """Both workers load at once; the talker takes the memory left for its KV cache only after before_kv (the
+    codec worker loading on the same GPU) returns. A failing before_kv leaves no worker behind."""
+    from nano_qwen3tts_vllm.config import EngineConfig
+    from nano_qwen3tts_vllm.workers.executor import MultiprocessExecutor
+    args = (ckpt("tiny-random"), EngineConfig(max_num_seqs=2, max_model_len=128), torch.device("cpu"),
+            torch.device("cpu"), torch.float32)
+    before = worker_children()
+    seen = []
+    ex = MultiprocessExecutor(*args, before_kv=lambda: seen.append(len(worker_children() - before)))
+    try:
+        assert seen == [2] and ex.num_blocks > 0
+    finally:
+        ex.shutdown()
+
+    def codec_failed():
+        raise RuntimeError("the codec worker did not start")
+    with pytest.raises(RuntimeError, match="the codec worker did not start"):
+        MultiprocessExecutor(*args, before_kv=codec_failed)
+    deadline = time.monotonic() + 20
+    while worker_children() - before and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert worker_children() - before == set()
+
+
 def test_workers_exit_when_the_parent_is_killed(ckpt, tmp_path):
     script = textwrap.dedent(f"""
         import sys, time, torch
@@ -170,6 +211,7 @@ def test_codec_worker_client_streams(ckpt, ours, mp_tts):
 def test_dead_codec_worker_fails_pending_chunks(ckpt):
     from nano_qwen3tts_vllm.workers.codec_worker import CodecWorkerClient
     client = CodecWorkerClient(ckpt("tiny-random"), "cpu", torch.float32, max_streams=2)
+    client.wait_ready()
     try:
         s = client.open()
         s.start()

@@ -138,10 +138,18 @@ class Qwen3TTSInterface:
         codec = None
         if multiprocess if codec_worker is None else codec_worker:
             from ..workers.codec_worker import CodecWorkerClient
-            # first: the talker sizes its KV cache from the GPU memory left after the other workers load
+            # it loads while the engine's workers do; the talker sizes its KV cache once it has (before_kv)
             codec = CodecWorkerClient(model_dir, talker_device or str(device), dtype, max_streams=max_streams)
-        engine = LLMEngine(model_dir, cfg, device=device, dtype=dtype, multiprocess=multiprocess,
-                           talker_device=talker_device, predictor_device=predictor_device)
+        try:
+            engine = LLMEngine(model_dir, cfg, device=device, dtype=dtype, multiprocess=multiprocess,
+                               talker_device=talker_device, predictor_device=predictor_device,
+                               before_kv=codec.wait_ready if codec is not None else None)
+            if codec is not None:
+                codec.wait_ready()  # a no-op unless the engine never sized a KV cache
+        except BaseException:
+            if codec is not None:
+                codec.close()
+            raise
         AutoConfig.register("qwen3_tts", Qwen3TTSConfig, exist_ok=True)
         AutoProcessor.register(Qwen3TTSConfig, Qwen3TTSProcessor, exist_ok=True)
         processor = AutoProcessor.from_pretrained(str(model_dir), fix_mistral_regex=True)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -40,8 +41,8 @@ class InProcessExecutor:
     pipelined = True  # every input of a decode step is on the host or in this executor's device buffers
 
     def __init__(self, model_cfg: ModelConfig, cfg: EngineConfig, model_dir: str | Path,
-                 device: torch.device, dtype: torch.dtype):
-        self.talker = TalkerRunner(model_cfg, cfg, model_dir, device, dtype)
+                 device: torch.device, dtype: torch.dtype, before_kv: Callable[[], None] | None = None):
+        self.talker = TalkerRunner(model_cfg, cfg, model_dir, device, dtype, before_kv)
         self.predictor = PredictorRunner(model_cfg, cfg, model_dir, device, dtype)
         self.num_blocks = self.talker.num_blocks
         self.device = device

@@ -7,6 +7,7 @@ import random
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -51,11 +52,14 @@ class StepOutput:
 
 class LLMEngine:
     """Scheduling and book-keeping; the model work runs in an executor: in this process, or in a
-    talker and a predictor worker process (`multiprocess=True`, optionally on different devices)."""
+    talker and a predictor worker process (`multiprocess=True`, optionally on different devices).
+    `before_kv` is called before the talker sizes its KV cache from the GPU memory left (to wait for other
+    processes loading on the same GPU)."""
 
     def __init__(self, model_dir: str | Path, cfg: EngineConfig | None = None,
                  device: str | torch.device | None = None, dtype: torch.dtype | None = None,
-                 multiprocess: bool = False, talker_device: str | None = None, predictor_device: str | None = None):
+                 multiprocess: bool = False, talker_device: str | None = None, predictor_device: str | None = None,
+                 before_kv: Callable[[], None] | None = None):
         self.cfg = cfg or EngineConfig()
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
@@ -63,12 +67,14 @@ class LLMEngine:
         if multiprocess:
             from ..workers.executor import MultiprocessExecutor
             self.executor = MultiprocessExecutor(model_dir, self.cfg, torch.device(talker_device or self.device),
-                                                 torch.device(predictor_device or self.device), self.dtype)
+                                                 torch.device(predictor_device or self.device), self.dtype,
+                                                 before_kv=before_kv)
         else:
             if (talker_device or predictor_device) and torch.device(talker_device or self.device) != torch.device(
                     predictor_device or self.device):
                 raise ValueError("talker and predictor on different devices needs multiprocess=True")
-            self.executor = InProcessExecutor(self.model_cfg, self.cfg, model_dir, self.device, self.dtype)
+            self.executor = InProcessExecutor(self.model_cfg, self.cfg, model_dir, self.device, self.dtype,
+                                              before_kv)
         self.scheduler = Scheduler(self.cfg, self.executor.num_blocks)
         self.seqs: dict[str, Sequence] = {}
         self.pipelined = self.cfg.async_scheduling and self.executor.pipelined

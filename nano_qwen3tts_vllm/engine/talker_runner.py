@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -31,7 +32,9 @@ def talker_settings(row: PrefillRow) -> dict:
 
 class TalkerRunner:
     def __init__(self, model_cfg: ModelConfig, cfg: EngineConfig, model_dir: str | Path,
-                 device: torch.device, dtype: torch.dtype):
+                 device: torch.device, dtype: torch.dtype, before_kv: Callable[[], None] | None = None):
+        """`before_kv` runs once the weights are loaded, before the KV cache takes its share of the memory left
+        (a worker waits there until the processes sharing its GPU have loaded)."""
         self.cfg, self.model_cfg, self.device, self.dtype = cfg, model_cfg, device, dtype
         self.block_size = cfg.kvcache_block_size
         with torch.device(device):
@@ -39,6 +42,8 @@ class TalkerRunner:
         load_weights(self.model, "talker", model_dir, model_cfg)
         self.model.to(dtype).eval()
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, PagedAttention)]
+        if before_kv is not None:
+            before_kv()
         self.num_blocks = self._allocate_kv_cache()
         self.max_blocks_per_seq = (cfg.max_model_len + self.block_size - 1) // self.block_size
         V = model_cfg.codec_vocab_size

@@ -81,12 +81,13 @@ class CodecWorker:
         self.broken.pop(sid, None)
 
     def run_round(self) -> None:
-        """Decode the oldest waiting chunk of every stream: streams whose chunks have equal length together."""
+        """Decode the oldest waiting chunk of every stream: streams whose chunks have equal length together,
+        shortest first (a new stream's small first chunk is its time to first audio)."""
         by_len: dict[int, list[int]] = defaultdict(list)
         for sid, q in self.queue.items():
             if q:
                 by_len[q[0][1].shape[0]].append(sid)
-        for sids in by_len.values():
+        for _, sids in sorted(by_len.items()):
             for i in range(0, len(sids), self.max_batch):
                 self._decode(sids[i:i + self.max_batch])
 
@@ -150,22 +151,29 @@ class CodecWorkerClient:
         spec = dict(model_dir=str(model_dir), device=str(device), dtype=str(dtype).removeprefix("torch."),
                     addrs=addrs, parent_pid=os.getpid(), max_batch=max_batch, max_streams=max_streams)
         self.proc = launch("nano_qwen3tts_vllm.workers.codec_worker", spec, Path(self.dir) / "codec.pkl")
-        deadline = time.monotonic() + start_timeout_s
-        while not poll(self.results, 200):
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.close()
-                raise RuntimeError("the codec worker did not start (see its log above)")
-        self.upsample = recv(self.results)[0]["upsample"]
+        self.deadline = time.monotonic() + start_timeout_s
+        self.upsample: int | None = None  # set by wait_ready()
         self.slots = SlotPool(max_streams)
         self.pending: dict[int, tuple[concurrent.futures.Future, int]] = {}  # job -> (future, stream)
         self.ids = itertools.count()
         self.lock = threading.Lock()
         self.closed = False
         self.thread = threading.Thread(target=self._receive, name="codec-results", daemon=True)
+
+    def wait_ready(self) -> None:
+        """Block until the worker has loaded (the constructor only launches it, so other processes can load
+        meanwhile); RuntimeError if it died or timed out. Later calls return at once."""
+        if self.upsample is not None:
+            return
+        while not poll(self.results, 200):
+            if self.proc.poll() is not None or time.monotonic() > self.deadline:
+                self.close()
+                raise RuntimeError("the codec worker did not start (see its log above)")
+        self.upsample = recv(self.results)[0]["upsample"]
         self.thread.start()
 
     def is_alive(self) -> bool:
-        return not self.closed and self.proc.poll() is None
+        return not self.closed and self.proc.poll() is None and self.upsample is not None
 
     def open(self, context: torch.Tensor | None = None) -> "WorkerCodecStream":
         """Take a decoder slot (StreamsBusyError when none is free). start() sends the stream to the

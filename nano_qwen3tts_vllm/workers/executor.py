@@ -11,6 +11,7 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -34,8 +35,11 @@ class MultiprocessExecutor:
 
     def __init__(self, model_dir: str | Path, cfg: EngineConfig, talker_device: torch.device,
                  predictor_device: torch.device, dtype: torch.dtype, step_timeout_s: float = 120.0,
-                 start_timeout_s: float = 900.0, max_restarts: int = 3):
+                 start_timeout_s: float = 900.0, max_restarts: int = 3, before_kv: Callable[[], None] | None = None):
+        """`before_kv` is called (in this process) before the talker sizes its KV cache: it waits for other
+        processes on the GPU, such as the codec worker, to finish loading."""
         self.model_dir, self.cfg, self.dtype = str(model_dir), cfg, dtype
+        self.before_kv = before_kv
         self.devices = {"talker": str(talker_device), "predictor": str(predictor_device)}
         self.step_timeout_s, self.start_timeout_s = step_timeout_s, start_timeout_s
         self.restarts_left = max_restarts
@@ -45,28 +49,46 @@ class MultiprocessExecutor:
 
     # ---- life cycle -----------------------------------------------------------------------
     def _start(self) -> None:
-        self.procs = {}
+        self.procs, self.broken = {}, False
         self.dir = tempfile.mkdtemp(prefix="nano-qwen3tts-")  # 0700: only this user can connect
         addrs = {n: f"ipc://{self.dir}/{n}" for n in ("talker_in", "predictor_in", "results", "frames", "hidden")}
         self.ctx = zmq.Context()
+        try:
+            self._launch(addrs)
+        except BaseException:
+            self._stop(graceful=False)  # no worker outlives a failed start
+            raise
+        logger.info("workers ready (talker on %s, predictor on %s; pids %s)", self.devices["talker"],
+                    self.devices["predictor"], {r: p.pid for r, p in self.procs.items()})
+
+    def _launch(self, addrs: dict[str, str]) -> None:
         self.results = make_socket(self.ctx, zmq.PULL, addrs["results"], bind=True)
         self.inbox = {r: make_socket(self.ctx, zmq.PUSH, addrs[f"{r}_in"], bind=True) for r in ROLES}
         dtype = str(self.dtype).removeprefix("torch.")
         deadline = time.monotonic() + self.start_timeout_s
-        ready = {}
-        # predictor first: the talker sizes its KV cache from the memory left once the predictor is loaded
-        for role in ("predictor", "talker"):
+        # both load at once; the talker then waits, because it sizes its KV cache from the memory left once the
+        # predictor (and before_kv's processes) have taken theirs
+        for role in ROLES:
             spec = dict(role=role, model_dir=self.model_dir, cfg=self.cfg, device=self.devices[role], dtype=dtype,
                         addrs=addrs, parent_pid=os.getpid(), peer_timeout_s=self.step_timeout_s)
             self.procs[role] = launch("nano_qwen3tts_vllm.workers.worker", spec, Path(self.dir) / f"{role}.pkl")
-            msg, _ = self._next(deadline, f"the {role} worker's start")
-            if msg["op"] != "ready" or msg["who"] != role:
-                raise WorkerError(f"unexpected message while starting the {role} worker: {msg['op']}")
-            ready[role] = msg
-        self.num_blocks = ready["talker"]["num_blocks"]
-        self.step, self.unsynced, self.broken, self.admitted = 0, 0, False, []
-        logger.info("workers ready (talker on %s, predictor on %s; pids %s)", self.devices["talker"],
-                    self.devices["predictor"], {r: p.pid for r, p in self.procs.items()})
+        self._expect(deadline, {("ready", "predictor"), ("loaded", "talker")})
+        if self.before_kv is not None:
+            self.before_kv()
+        self._send("talker", {"op": "allocate", "step": 0})
+        self.num_blocks = self._expect(deadline, {("ready", "talker")})[("ready", "talker")]["num_blocks"]
+        self.step, self.unsynced, self.admitted = 0, 0, []
+
+    def _expect(self, deadline: float, wanted: set[tuple[str, str]]) -> dict[tuple[str, str], dict]:
+        """Start-up messages (op, who), in any order."""
+        got = {}
+        while len(got) < len(wanted):
+            msg, _ = self._next(deadline, "the workers' start")
+            key = (msg["op"], msg.get("who"))
+            if key not in wanted:
+                raise WorkerError(f"unexpected message {key} while starting the workers")
+            got[key] = msg
+        return got
 
     def _stop(self, graceful: bool) -> None:
         if graceful:

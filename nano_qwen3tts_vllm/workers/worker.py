@@ -56,9 +56,19 @@ def run_worker(role: str, model_dir: str, cfg: EngineConfig, device: str, dtype:
     inbox = make_socket(ctx, zmq.PULL, addrs[f"{role}_in"], bind=False)
     peer_in = make_socket(ctx, zmq.PULL, addrs["frames" if role == "talker" else "hidden"], bind=True)
     peer_out = make_socket(ctx, zmq.PUSH, addrs["hidden" if role == "talker" else "frames"], bind=False)
+    def until_allocate() -> None:
+        """The talker loads alongside the other workers, then sizes its KV cache once the engine says they have
+        taken their GPU memory."""
+        send(results, {"op": "loaded", "who": role})
+        _wait(inbox, parent_pid)
+        header, _ = recv(inbox)
+        if header["op"] != "allocate":
+            raise SystemExit(0)  # a shutdown: the engine's start failed elsewhere
     try:
-        worker = (TalkerWorker if role == "talker" else PredictorWorker)(
-            model_dir, cfg, torch.device(device), getattr(torch, dtype), peer_in, peer_out, parent_pid, peer_timeout_s)
+        cls = TalkerWorker if role == "talker" else PredictorWorker
+        extra = dict(before_kv=until_allocate) if role == "talker" else {}
+        worker = cls(model_dir, cfg, torch.device(device), getattr(torch, dtype), peer_in, peer_out, parent_pid,
+                     peer_timeout_s, **extra)
     except Exception:  # noqa: BLE001 - reported to the engine, which fails its start
         send(results, {"op": "error", "who": role, "step": 0, "error": traceback.format_exc()})
         return
@@ -79,9 +89,10 @@ def run_worker(role: str, model_dir: str, cfg: EngineConfig, device: str, dtype:
 
 
 class TalkerWorker:
-    def __init__(self, model_dir, cfg, device, dtype, frames_in, hidden_out, parent_pid, peer_timeout_s):
+    def __init__(self, model_dir, cfg, device, dtype, frames_in, hidden_out, parent_pid, peer_timeout_s,
+                 before_kv=None):
         from ..engine.talker_runner import TalkerRunner
-        self.runner = TalkerRunner(ModelConfig.from_pretrained(model_dir), cfg, model_dir, device, dtype)
+        self.runner = TalkerRunner(ModelConfig.from_pretrained(model_dir), cfg, model_dir, device, dtype, before_kv)
         self.num_blocks = self.runner.num_blocks
         self.device = device
         self.frames_in, self.hidden_out = frames_in, hidden_out
