@@ -853,8 +853,7 @@ def table(report: dict) -> str:
                  f"{'TTFA p50':>10}{'TTFA p95':>10}{'wall s':>9}")
         for n, sw in sweeps:
             for row in sw:
-                label = n if row.get("client_procs") in (None, http_procs(report, row)) else \
-                    f"{n} ({row['client_procs']} cl.)"
+                label = n if is_headline(report, row) else f"{n} ({row['client_procs']} cl.)"
                 L.append(f"{label:<22}{row['concurrency']:>5}{fmt(row['aggregate_xrt']):>10}"
                          f"{fmt(row['per_stream_xrt_p50']):>10}{fmt(row['per_stream_xrt_worst']):>11}"
                          f"{fmt(row['ttfa_ms_p50']):>10}{fmt(row['ttfa_ms_p95']):>10}{fmt(row['wall_s']):>9}")
@@ -892,16 +891,15 @@ def table(report: dict) -> str:
     return "\n".join(L)
 
 
-def http_procs(report: dict, row: dict) -> int | None:
-    """The headline client-process count of ours-http at this row's concurrency (None: not recorded)."""
+def is_headline(report: dict, row: dict) -> bool:
+    """In-process rows, and ours-http rows of the first --client-procs value (capped at the row's concurrency)."""
     procs = (report["systems"].get("ours-http") or {}).get("client_procs")
-    return min(procs[0], row["concurrency"]) if procs else None
+    return row.get("client_procs") is None or not procs or row["client_procs"] == min(procs[0], row["concurrency"])
 
 
 def headline(report: dict, name: str) -> list[dict]:
-    """The sweep rows a plot shows: for ours-http those of the headline client-process count."""
-    sw = (report["systems"].get(name) or {}).get("concurrency") or []
-    return [row for row in sw if row.get("client_procs") in (None, http_procs(report, row))]
+    """The sweep rows a plot shows."""
+    return [row for row in (report["systems"].get(name) or {}).get("concurrency") or [] if is_headline(report, row)]
 
 
 def plot(report: dict, path: str) -> None:
